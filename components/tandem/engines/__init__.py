@@ -1,0 +1,1 @@
+"""Engines behind one contract (base.Engine): reference (torch Llama), mock (timing), sglang."""

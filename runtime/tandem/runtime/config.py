@@ -1,0 +1,44 @@
+"""Every default lives here, once. Config objects are frozen dataclasses built from CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_WORKER_PORT = 7100
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_TOKENS = 16
+HELLO_TIMEOUT_S = 5.0  # a worker that does not answer the handshake in time is not used
+HEARTBEAT_INTERVAL_S = 0.5  # the frontend asks every worker for its load this often
+HEARTBEAT_DEADLINE_S = 3.0  # no answer for this long: the worker is down, its requests fail
+LOAD_QUERY_TIMEOUT_S = 1.0
+DRAIN_TIMEOUT_S = 10.0  # on SIGTERM, in-flight requests get this long to finish
+ZMQ_HWM = 100_000  # messages; deltas are batched per step so this is generous
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: str = "agg"
+    engine: str = "reference"
+    model: str = ""
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_WORKER_PORT
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int = 0  # 0 = engine default
+    max_batch: int = 64
+    device: str = "cpu"
+    output_mode: str = "cumulative"
+    step_delay_ms: float = 0.0  # mock engine only
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    model: str = ""
+    served_model_name: str = ""
+    workers: tuple[str, ...] = ()
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_HTTP_PORT
+    stream_interval: int = 1
+    default_max_tokens: int = DEFAULT_MAX_TOKENS

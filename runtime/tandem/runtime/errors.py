@@ -1,0 +1,65 @@
+"""One flat exception hierarchy; each error knows the HTTP status and OpenAI error type it maps to."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        """OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class BadRequest(TandemError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(TandemError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(TandemError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class Unavailable(TandemError):
+    """No worker can take the request (none up, or all at their limits past the queue deadline)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+
+
+class WorkerLost(TandemError):
+    """The worker serving a request died or stopped answering."""
+
+    status = 502
+    type = "worker_lost"
+    code = "worker_lost"
+
+
+class EngineFailed(TandemError):
+    status = 500
+    type = "engine_error"
+
+
+class StreamProtocolError(TandemError):
+    """A delta arrived with a gap or an overlap: the request fails loudly rather than lose tokens."""
+
+    status = 500
+    type = "protocol_error"
+    code = "delta_offset_mismatch"

@@ -1,0 +1,181 @@
+"""The wire contract between tandem processes: every message that crosses a socket is defined here.
+
+Frames on a socket are `[identity,] type byte, payload` — the type byte routes a message before it is
+decoded, and each type has its own typed decoder, so untrusted bytes are only ever decoded against a
+schema. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+# Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+Role = Literal["agg", "prefill", "decode"]
+OutputMode = Literal["cumulative", "incremental"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    HELLO_REPLY = 2
+    GENERATE = 3
+    ABORT = 4
+    DELTAS = 5
+    LOAD_QUERY = 6
+    LOAD_REPORT = 7
+
+
+class SamplingParams(_Msg, frozen=True):
+    """What the engine needs to sample one sequence. Defaults here are the only defaults."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class Bootstrap(_Msg, frozen=True):
+    """Where a prefill worker's bootstrap socket is, and which room this request is (DESIGN §1)."""
+
+    host: str
+    port: int
+    room: int
+
+
+class WorkerInfo(_Msg):
+    name: str
+    role: Role
+    engine: str
+    model: str
+    page_size: int
+    pages_total: int
+    max_context: int
+    output_mode: OutputMode = "cumulative"
+    bootstrap_addr: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Load(_Msg):
+    """A worker's own report of how busy it is."""
+
+    running: int = 0
+    waiting: int = 0
+    pages_free: int = 0
+    pages_total: int = 0
+    pages_reserved: int = 0
+
+
+class Usage(_Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+# --- frontend -> worker ---------------------------------------------------------------------------
+
+
+class Hello(_Msg):
+    version: int
+    frontend_id: str
+
+
+class Generate(_Msg):
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    bootstrap: Bootstrap | None = None
+
+
+class Abort(_Msg):
+    rids: list[str]
+
+
+class LoadQuery(_Msg):
+    seq: int
+
+
+# --- worker -> frontend ---------------------------------------------------------------------------
+
+
+class HelloReply(_Msg):
+    version: int
+    ok: bool
+    info: WorkerInfo | None = None
+    error: str = ""
+
+
+class Delta(_Msg):
+    """New tokens of one request. `offset` is how many completion tokens came before these ones;
+    the receiver refuses a gap or an overlap. A delta with `finish_reason` is the request's last."""
+
+    rid: str
+    offset: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str = ""
+
+
+class Deltas(_Msg):
+    """Every delta one engine step produced for one frontend: one message per step, not per token."""
+
+    items: list[Delta]
+    load: Load | None = None
+
+
+class LoadReport(_Msg):
+    seq: int
+    load: Load
+
+
+TYPE_OF: dict[type, MsgType] = {
+    Hello: MsgType.HELLO,
+    HelloReply: MsgType.HELLO_REPLY,
+    Generate: MsgType.GENERATE,
+    Abort: MsgType.ABORT,
+    Deltas: MsgType.DELTAS,
+    LoadQuery: MsgType.LOAD_QUERY,
+    LoadReport: MsgType.LOAD_REPORT,
+}
+CLASS_OF: dict[int, type] = {int(t): c for c, t in TYPE_OF.items()}
+TYPE_BYTES: dict[type, bytes] = {c: bytes([int(t)]) for c, t in TYPE_OF.items()}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {int(t): msgspec.msgpack.Decoder(c) for t, c in CLASS_OF.items()}
+
+
+class ProtocolError(Exception):
+    """A peer sent bytes that do not decode against the schema (or an unknown type byte)."""
+
+
+def encode(msg: _Msg) -> tuple[bytes, bytes]:
+    """Return `(type byte, payload)` for one message."""
+    return TYPE_BYTES[type(msg)], _encoder.encode(msg)
+
+
+def decode(type_byte: bytes, payload: bytes) -> _Msg:
+    if len(type_byte) != 1:
+        raise ProtocolError(f"bad type frame of {len(type_byte)} bytes")
+    dec = _decoders.get(type_byte[0])
+    if dec is None:
+        raise ProtocolError(f"unknown message type {type_byte[0]}")
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("message too large")
+    try:
+        return dec.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"undecodable {CLASS_OF[type_byte[0]].__name__}: {e}") from e
