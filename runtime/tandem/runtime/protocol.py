@@ -128,6 +128,9 @@ class Delta(_Msg):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str = ""
+    # With finish_reason "error": the HTTP-like status of the failure (400 = the request was
+    # unacceptable, 503 = the worker is draining, 500 = the engine failed).
+    status: int = 0
 
 
 class Deltas(_Msg):

@@ -1,0 +1,37 @@
+# The two commands: `make demo` (a local cluster on the reference engine, streaming one answer)
+# and `make test`. Each creates and fills .venv on first use.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+PORT   ?= 8000
+MODEL  ?= models/tiny
+# A CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+# NIXL wheels declare an unpinned torch dependency: install them without deps (DESIGN §5).
+NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
+
+.PHONY: demo test venv clean
+
+venv: $(BIN)/.ready
+
+$(BIN)/.ready: pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test,perf]'
+	$(BIN)/pip install -q --no-deps $(NIXL) || echo "warning: NIXL did not install; PD transfer tests will be skipped"
+	@$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'unexpected torch ' + v)"
+	touch $@
+
+$(MODEL)/config.json: | $(BIN)/.ready
+	$(BIN)/tandem model init $(MODEL)
+
+demo: $(BIN)/.ready $(MODEL)/config.json
+	$(BIN)/tandem up --model $(MODEL) --engine reference --workers 1 --port $(PORT) --demo
+
+test: $(BIN)/.ready
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) $(MODEL)

@@ -1,0 +1,166 @@
+"""The `tandem` command: `model init`, `worker`, `frontend`, `up`. Flags are declared once, here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tandem.runtime import config as C
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range")
+    return value
+
+
+def _model_dir(text: str) -> str:
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a model directory (no config.json); create a tiny one with "
+            f"`tandem model init {text}`"
+        )
+    return text
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["reference", "mock"], default="reference",
+                   help="reference: a small Llama in torch (CPU or CUDA); mock: no compute, "
+                        "deterministic tokens, for overhead and scale runs (default: reference)")
+    p.add_argument("--page-size", type=_positive_int, default=C.DEFAULT_PAGE_SIZE,
+                   help=f"tokens per KV page (default: {C.DEFAULT_PAGE_SIZE})")
+    p.add_argument("--num-pages", type=_positive_int, default=None,
+                   help="KV pages per worker (default: enough for --max-batch full contexts)")
+    p.add_argument("--max-batch", type=_positive_int, default=64,
+                   help="most requests an engine runs at once; more wait in its queue (default: 64)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device for the reference engine: cpu, cuda, cuda:N (default: cpu)")
+    p.add_argument("--output-mode", choices=["cumulative", "incremental"], default="cumulative",
+                   help="how the engine reports token ids: all so far (cumulative, SGLang's "
+                        "default) or only new ones (default: cumulative)")
+    p.add_argument("--step-delay-ms", type=float, default=0.0,
+                   help="mock engine only: a fixed delay per engine step (default: 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="tandem: a disaggregated prefill/decode serving runtime for LLMs.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", parents=[common], help="make or inspect model checkpoints")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    init = msub.add_parser("init", parents=[common], help="write a tiny Llama checkpoint with seeded random weights "
+                                        "and a byte-level BPE tokenizer trained on the spot")
+    init.add_argument("dir", help="directory to write (created if missing)")
+    init.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
+
+    w = sub.add_parser("worker", parents=[common], help="run one worker process serving an engine over ZMQ")
+    w.add_argument("--role", choices=["agg"], default="agg",
+                   help="agg: prefill and decode in this worker (default: agg)")
+    w.add_argument("--model", type=_model_dir, required=True, help="HF checkpoint directory")
+    w.add_argument("--host", default=C.DEFAULT_HOST,
+                   help=f"address to bind the worker socket (default: {C.DEFAULT_HOST})")
+    w.add_argument("--port", type=_port, required=True, help="port of the worker's ZMQ socket")
+    w.add_argument("--name", default="", help="worker name in /workers (default: derived)")
+    _add_engine_flags(w)
+
+    f = sub.add_parser("frontend", parents=[common], help="run the OpenAI-compatible HTTP frontend")
+    f.add_argument("--model", type=_model_dir, required=True,
+                   help="HF checkpoint directory (tokenizer and chat template are read from it)")
+    f.add_argument("--served-model-name", default="",
+                   help="model name clients must send (default: the directory's name)")
+    f.add_argument("--workers", required=True,
+                   help="comma-separated worker addresses, e.g. tcp://127.0.0.1:7100,tcp://...")
+    f.add_argument("--host", default=C.DEFAULT_HOST, help=f"HTTP bind address (default: {C.DEFAULT_HOST})")
+    f.add_argument("--port", type=_port, default=C.DEFAULT_HTTP_PORT,
+                   help=f"HTTP port (default: {C.DEFAULT_HTTP_PORT})")
+    f.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="send streamed tokens every N tokens (first token at once; requests may "
+                        "override with `stream_interval`) (default: 1)")
+
+    u = sub.add_parser("up", parents=[common], help="start a frontend and workers on this machine (loopback), wait "
+                                  "until ready, and stop them all on Ctrl-C or SIGTERM")
+    u.add_argument("--model", type=_model_dir, required=True, help="HF checkpoint directory")
+    u.add_argument("--workers", type=_positive_int, default=1,
+                   help="number of aggregated workers (default: 1)")
+    u.add_argument("--port", type=_port, default=C.DEFAULT_HTTP_PORT,
+                   help=f"HTTP port of the frontend (default: {C.DEFAULT_HTTP_PORT})")
+    u.add_argument("--worker-base-port", type=_port, default=None,
+                   help="first worker port; workers take consecutive ports (default: free ports)")
+    u.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="frontend's default stream interval (default: 1)")
+    u.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="seconds to wait for /health to say ready (default: 120)")
+    u.add_argument("--demo", action="store_true",
+                   help="once ready, stream one chat completion to the terminal, then keep serving")
+    _add_engine_flags(u)
+    return parser
+
+
+def worker_config(args: argparse.Namespace) -> C.WorkerConfig:
+    return C.WorkerConfig(
+        role=args.role, engine=args.engine, model=args.model, host=args.host, port=args.port,
+        page_size=args.page_size, num_pages=args.num_pages or 0, max_batch=args.max_batch,
+        device=args.device, output_mode=args.output_mode, step_delay_ms=args.step_delay_ms,
+        name=args.name,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tandem.runtime.lifecycle import setup_logging
+
+    setup_logging(args.log_level)
+    if args.command == "model":
+        from tandem.engines.reference.checkpoint import write_tiny_model
+
+        if os.path.exists(os.path.join(args.dir, "config.json")) and not args.force:
+            print(f"{args.dir} already holds a checkpoint (use --force to overwrite)")
+            return 0
+        write_tiny_model(args.dir, seed=args.seed)
+        print(f"wrote a tiny Llama checkpoint to {args.dir}")
+        return 0
+    if args.command == "worker":
+        from tandem.worker.main import run_worker
+
+        run_worker(worker_config(args))
+        return 0
+    if args.command == "frontend":
+        from tandem.frontend.main import run_frontend
+
+        workers = tuple(a.strip() for a in args.workers.split(",") if a.strip())
+        if not workers:
+            print("tandem frontend: --workers needs at least one address", file=sys.stderr)
+            return 2
+        run_frontend(C.FrontendConfig(
+            model=args.model, served_model_name=args.served_model_name, workers=workers,
+            host=args.host, port=args.port, stream_interval=args.stream_interval,
+        ))
+        return 0
+    if args.command == "up":
+        from tandem.up import run_up
+
+        return run_up(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

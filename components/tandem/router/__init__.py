@@ -1,0 +1,1 @@
+"""Router: worker registry, liveness, load accounting and routing policy (frontend side)."""

@@ -1,0 +1,259 @@
+"""WorkerClient: the frontend's connection to one worker, and RequestStream, one request on it.
+
+The client owns a DEALER socket, a receive task that routes each incoming delta to its request's
+stream, and a heartbeat task: a Hello until the worker answers, then a LoadQuery every interval.
+A worker silent past the heartbeat deadline is marked down and every request on it fails with
+WorkerLost; it comes back up when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+
+import zmq
+import zmq.utils.monitor
+
+from tandem.runtime import errors, protocol, transport
+from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
+from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.protocol import (
+    Abort,
+    Delta,
+    Deltas,
+    Generate,
+    Hello,
+    HelloReply,
+    Load,
+    LoadQuery,
+    LoadReport,
+    WorkerInfo,
+)
+
+log = logging.getLogger("tandem.router")
+
+_STATUS_ERRORS: dict[int, type[errors.TandemError]] = {
+    400: errors.BadRequest,
+    503: errors.Unavailable,
+}
+
+
+class RequestStream:
+    """One request on one worker: an async context manager and an async iterator of deltas.
+
+    Deltas come out in order with their offsets checked (a gap or overlap raises
+    StreamProtocolError). Leaving the context before the final delta aborts the request.
+    """
+
+    __slots__ = ("rid", "_client", "_msg", "_items", "_wake", "received", "finished", "_opened")
+
+    def __init__(self, client: WorkerClient, msg: Generate) -> None:
+        self.rid = msg.rid
+        self._client = client
+        self._msg = msg
+        self._items: deque[Delta | errors.TandemError] = deque()
+        self._wake = asyncio.Event()
+        self.received = 0
+        self.finished = False
+        self._opened = False
+
+    async def __aenter__(self) -> RequestStream:
+        self._client.start_request(self)
+        self._opened = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._opened:
+            self._client.end_request(self, abort=not self.finished)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    def push(self, item: Delta | errors.TandemError) -> None:
+        self._items.append(item)
+        self._wake.set()
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._items:
+            self._wake.clear()
+            await self._wake.wait()  # bounded by the worker heartbeat deadline
+        item = self._items.popleft()
+        if isinstance(item, errors.TandemError):
+            self.finished = True
+            raise item
+        if item.offset != self.received:
+            self.finished = True  # leaving the context still aborts: see end_request
+            self._client.protocol_errors += 1
+            raise errors.StreamProtocolError(
+                f"delta for {self.rid} at offset {item.offset}, expected {self.received}"
+            )
+        self.received += len(item.token_ids)
+        if item.finish_reason is not None:
+            self.finished = True
+            if item.finish_reason == "error":
+                cls = _STATUS_ERRORS.get(item.status, errors.EngineFailed)
+                raise cls(item.error or "the engine failed this request")
+        return item
+
+
+class WorkerClient:
+    def __init__(self, address: str, frontend_id: bytes) -> None:
+        self.address = address
+        self.frontend_id = frontend_id
+        self.info: WorkerInfo | None = None
+        self.state = "connecting"  # connecting | up | down | incompatible
+        self.error = ""
+        self.load = Load()
+        self.in_flight: dict[str, RequestStream] = {}
+        self.protocol_errors = 0
+        self.last_seen = 0.0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks = TaskGroup()
+        self._seq = itertools.count(1)
+        self._queries: dict[int, asyncio.Future[Load]] = {}
+        self._up = asyncio.Event()
+
+    @property
+    def usable(self) -> bool:
+        return self.state == "up"
+
+    async def start(self) -> None:
+        self._sock = transport.dealer(self.address, self.frontend_id)
+        self._tasks.spawn(self._recv_loop(), name=f"recv {self.address}")
+        self._tasks.spawn(self._heartbeat(), name=f"heartbeat {self.address}")
+        self._tasks.spawn(self._watch_connection(), name=f"monitor {self.address}")
+
+    async def wait_up(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        self._fail_all(errors.Unavailable("the frontend is shutting down"))
+        await self._tasks.close()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def start_request(self, stream: RequestStream) -> None:
+        if not self.usable:
+            raise errors.Unavailable(f"worker {self.address} is {self.state}", retry_after=1.0)
+        self.in_flight[stream.rid] = stream
+        self._send(stream._msg)
+
+    def end_request(self, stream: RequestStream, abort: bool) -> None:
+        self.in_flight.pop(stream.rid, None)
+        if abort and self.state == "up":
+            self._send(Abort([stream.rid]))
+
+    async def query_load(self) -> Load:
+        """Ask the worker for its load now (deadline LOAD_QUERY_TIMEOUT_S); last known on timeout."""
+        if not self.usable:
+            return self.load
+        seq = next(self._seq)
+        fut: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
+        self._queries[seq] = fut
+        self._send(LoadQuery(seq))
+        try:
+            return await asyncio.wait_for(fut, LOAD_QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return self.load
+        finally:
+            self._queries.pop(seq, None)
+
+    # --- internals --------------------------------------------------------------------------------
+    def _send(self, msg: protocol._Msg) -> None:
+        assert self._sock is not None
+        try:
+            transport.send_nowait(self._sock, msg)
+        except zmq.Again:
+            raise errors.Unavailable(f"worker {self.address} is not keeping up", retry_after=1.0)
+
+    def _fail_all(self, err: errors.TandemError) -> None:
+        streams, self.in_flight = self.in_flight, {}
+        for s in streams.values():
+            s.push(err)
+
+    def _mark_down(self, why: str) -> None:
+        if self.state == "up":
+            log.warning("worker %s is down: %s", self.address, why)
+        if self.state != "incompatible":
+            self.state = "down"
+        self._up.clear()
+        self._fail_all(errors.WorkerLost(f"worker {self.address} stopped answering ({why})"))
+
+    async def _heartbeat(self) -> None:
+        hello = Hello(protocol.PROTOCOL_VERSION, self.frontend_id.decode())
+        while True:
+            if self.state == "up":
+                if time.monotonic() - self.last_seen > HEARTBEAT_DEADLINE_S:
+                    self._mark_down(f"silent for over {HEARTBEAT_DEADLINE_S:.0f}s")
+                else:
+                    self._send_quietly(LoadQuery(0))
+            if self.state != "up" and self.state != "incompatible":
+                self._send_quietly(hello)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _watch_connection(self) -> None:
+        """A dropped TCP connection means the worker process is gone (or restarted, forgetting
+        its requests): fail them now rather than after the heartbeat deadline."""
+        assert self._sock is not None
+        mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                parts = await mon.recv_multipart()
+                event = zmq.utils.monitor.parse_monitor_message(parts)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._mark_down("connection closed")
+        finally:
+            self._sock.disable_monitor()
+            mon.close(linger=0)
+
+    def _send_quietly(self, msg: protocol._Msg) -> None:
+        try:
+            self._send(msg)
+        except errors.Unavailable:
+            pass
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                msg = await transport.recv_dealer(self._sock)
+            except protocol.ProtocolError as e:
+                log.warning("bad message from %s: %s", self.address, e)
+                continue
+            self.last_seen = time.monotonic()
+            if isinstance(msg, Deltas):
+                if msg.load is not None:
+                    self.load = msg.load
+                streams = self.in_flight
+                for d in msg.items:
+                    s = streams.get(d.rid)
+                    if s is not None:
+                        s.push(d)
+            elif isinstance(msg, LoadReport):
+                self.load = msg.load
+                fut = self._queries.get(msg.seq)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.load)
+            elif isinstance(msg, HelloReply):
+                self._on_hello(msg)
+
+    def _on_hello(self, msg: HelloReply) -> None:
+        if not msg.ok or msg.info is None:
+            self.state, self.error = "incompatible", msg.error
+            log.error("worker %s refused the handshake: %s", self.address, msg.error)
+            return
+        if self.state != "up":
+            log.info("worker %s is up: %s %s", self.address, msg.info.role, msg.info.engine)
+        self.info = msg.info
+        self.state = "up"
+        self._up.set()

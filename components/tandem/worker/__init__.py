@@ -1,0 +1,1 @@
+"""Worker process: serves one engine to frontends over a ZMQ ROUTER socket."""

@@ -1,0 +1,179 @@
+"""WorkerServer: one engine served to any number of frontends over a ZMQ ROUTER socket.
+
+Per frontend it keeps an outbox: every delta produced while the event loop runs one iteration is
+sent as ONE `Deltas` message on the next iteration, so the wire carries one message per engine step
+per frontend, never one per token. Per request it owns one task that drives `engine.generate` and
+is cancelled by an `Abort`, by the frontend going away, or by shutdown; cancelling the task closes
+the engine's iterator, which frees the request's pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import zmq
+
+from tandem.engines.base import Engine, EngineError, EngineRequest, EngineRequestError
+from tandem.runtime import protocol, transport
+from tandem.runtime.config import DRAIN_TIMEOUT_S, WorkerConfig
+from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.protocol import (
+    Abort,
+    Delta,
+    Deltas,
+    Generate,
+    Hello,
+    HelloReply,
+    LoadQuery,
+    LoadReport,
+    WorkerInfo,
+)
+from tandem.worker.deltas import DeltaMaker
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerServer:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, info: WorkerInfo) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.info = info
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks = TaskGroup()
+        self._requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self._outbox: dict[bytes, list[Delta]] = {}
+        self._flush_scheduled = False
+        self._draining = False
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.cfg.host}:{self.cfg.port}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._sock = transport.router(self.address)
+        log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
+                 self.info.engine, self.address)
+        recv = asyncio.get_running_loop().create_task(self._recv_loop(), name="worker-recv")
+        try:
+            await stop.wait()
+            await self.drain(DRAIN_TIMEOUT_S)
+        finally:
+            recv.cancel()
+            await asyncio.gather(recv, return_exceptions=True)
+            await self._tasks.close()
+            self._flush()
+            self._sock.close(linger=0)
+
+    async def drain(self, timeout: float) -> None:
+        """Take no new work; give in-flight requests `timeout` seconds, then abort the rest."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._requests):
+            self._cancel(rid)
+        while self._requests and time.monotonic() < deadline + 2.0:
+            await asyncio.sleep(0.01)
+
+    # --- receiving --------------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                ident, msg = await transport.recv_router(self._sock)
+            except protocol.ProtocolError as e:
+                log.warning("dropped a bad message: %s", e)
+                continue
+            if isinstance(msg, Generate):
+                self._on_generate(ident, msg)
+            elif isinstance(msg, Abort):
+                for rid in msg.rids:
+                    self._cancel(rid)
+            elif isinstance(msg, LoadQuery):
+                self._send(ident, LoadReport(msg.seq, self.engine.load()))
+            elif isinstance(msg, Hello):
+                self._on_hello(ident, msg)
+            else:
+                log.warning("unexpected %s from a frontend", type(msg).__name__)
+
+    def _on_hello(self, ident: bytes, msg: Hello) -> None:
+        if msg.version != protocol.PROTOCOL_VERSION:
+            err = f"protocol version {msg.version} != worker's {protocol.PROTOCOL_VERSION}"
+            self._send(ident, HelloReply(protocol.PROTOCOL_VERSION, False, None, err))
+            return
+        self._send(ident, HelloReply(protocol.PROTOCOL_VERSION, True, self.info))
+
+    def _on_generate(self, ident: bytes, msg: Generate) -> None:
+        if self._draining:
+            self._emit(ident, Delta(msg.rid, 0, [], "error", error="worker is draining", status=503))
+            return
+        if msg.rid in self._requests:
+            self._emit(ident, Delta(msg.rid, 0, [], "error", error="duplicate request id", status=400))
+            return
+        req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
+        task = self._tasks.spawn(self._serve(ident, req), name=msg.rid)
+        self._requests[msg.rid] = (ident, task)
+
+    def _cancel(self, rid: str) -> None:
+        entry = self._requests.get(rid)
+        if entry is not None:
+            entry[1].cancel()
+
+    # --- one request ------------------------------------------------------------------------------
+    async def _serve(self, ident: bytes, req: EngineRequest) -> None:
+        maker = DeltaMaker(req.rid, self.engine.output_mode)
+        try:
+            gen = self.engine.generate(req)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    delta = maker.make(out)
+                    if delta is not None:
+                        self._emit(ident, delta)
+        except asyncio.CancelledError:
+            pass  # aborted: the frontend already knows; aclosing freed the pages
+        except EngineRequestError as e:
+            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=str(e), status=400))
+        except EngineError as e:
+            log.error("%s: engine error: %s", req.rid, e)
+            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=str(e), status=500))
+        except Exception as e:  # an engine bug must fail one request, not the worker
+            log.exception("%s: unexpected engine failure", req.rid)
+            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=f"engine failed: {e}",
+                                    status=500))
+        finally:
+            self._requests.pop(req.rid, None)
+
+    # --- sending: one Deltas message per loop iteration per frontend ------------------------------
+    def _emit(self, ident: bytes, delta: Delta) -> None:
+        box = self._outbox.get(ident)
+        if box is None:
+            self._outbox[ident] = [delta]
+        else:
+            box.append(delta)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._outbox:
+            return
+        boxes, self._outbox = self._outbox, {}
+        load = self.engine.load()
+        for ident, items in boxes.items():
+            self._send(ident, Deltas(items, load))
+
+    def _send(self, ident: bytes, msg: protocol._Msg) -> None:
+        assert self._sock is not None
+        try:
+            transport.send_nowait(self._sock, msg, ident)
+        except zmq.ZMQError as e:
+            # The frontend is gone (EHOSTUNREACH) or not reading (EAGAIN past the HWM): its
+            # requests cannot be delivered, so stop them and free their pages.
+            log.warning("frontend %r unreachable (%s): aborting its requests", ident, e)
+            for rid, (owner, task) in list(self._requests.items()):
+                if owner == ident:
+                    task.cancel()
