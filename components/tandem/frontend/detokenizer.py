@@ -1,0 +1,234 @@
+"""Incremental detokenization of one request's output tokens, with stop strings.
+
+Two promises to the client: a chunk never carries a broken UTF-8 character (bytes of a character
+that byte-level BPE split across tokens are held back until it completes), and a chunk never
+carries part of a stop string (the last `max(len(stop)) - 1` characters are held back; when a stop
+string completes, the text is cut before it and `Detokenizer.stopped` turns true so the caller
+leaves the request's stream, which aborts it on the worker).
+
+Each step costs O(new tokens), not O(tokens so far):
+- byte-level tokenizers (GPT-2/Llama-3/Qwen style, `decoders.ByteLevel`) map every token id to its
+  bytes once, at load, and feed those bytes to Python's incremental UTF-8 decoder;
+- any other tokenizer decodes a small window — the tokens of the previous emission plus the new
+  ones — and emits the difference (vLLM's prefix/read offsets), so decoders that strip a leading
+  space (SentencePiece) see the same context the full decode would.
+
+"First stop string" means the one whose occurrence ends first (ties: the longer one), so the
+result does not depend on how the tokens were chunked.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Protocol
+
+from tokenizers import Tokenizer, decoders
+
+# How many prompt tokens the windowed decoder keeps as context for the first output tokens.
+CONTEXT_TOKENS = 5
+# The windowed decoder drops consumed ids once this many have piled up before its window.
+_TRIM_AT = 256
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte <-> printable character table, inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def byte_table(tokenizer: Tokenizer, skip_special_tokens: bool = True) -> list[bytes]:
+    """Bytes of every token id of a byte-level tokenizer, as `tokenizer.decode` would produce them
+    before UTF-8 decoding. Special tokens map to b"" when skipped. Added tokens go through the
+    ByteLevel decoder like any other (that is what `tokenizers` does)."""
+    to_byte = _byte_level_chars()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    table: list[bytes] = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or (skip_special_tokens and i in special):
+            table.append(b"")
+            continue
+        out = bytearray()
+        for ch in piece:
+            b = to_byte.get(ch)
+            if b is None:
+                out += ch.encode()
+            else:
+                out.append(b)
+        table.append(bytes(out))
+    return table
+
+
+class _TextSource(Protocol):
+    def feed(self, ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class _ByteLevelText:
+    """Token bytes through an incremental UTF-8 decoder: incomplete characters wait inside it."""
+
+    __slots__ = ("_table", "_utf8")
+
+    def __init__(self, table: list[bytes]):
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, ids: Sequence[int]) -> str:
+        table = self._table
+        n = len(table)
+        if len(ids) == 1:
+            i = ids[0]
+            data = table[i] if 0 <= i < n else b""
+        else:
+            data = b"".join([table[i] if 0 <= i < n else b"" for i in ids])
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", True)
+
+
+class _WindowText:
+    """Decode `ids[prefix:]` and `ids[prefix:read]`, emit the difference; hold back while the text
+    ends in U+FFFD (an incomplete character)."""
+
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, context_ids: Sequence[int]):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(context_ids[-CONTEXT_TOKENS:]) if context_ids else []
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def _diff(self) -> str:
+        ids = self._ids
+        prefix_text = self._tok.decode(ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        new_text = self._tok.decode(ids[self._prefix:], skip_special_tokens=self._skip)
+        if len(new_text) <= len(prefix_text):
+            return ""
+        return new_text[len(prefix_text):]
+
+    def _advance(self) -> None:
+        self._prefix = self._read
+        self._read = len(self._ids)
+        if self._prefix >= _TRIM_AT:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+    def feed(self, ids: Sequence[int]) -> str:
+        self._ids.extend(ids)
+        text = self._diff()
+        if not text or text.endswith("\ufffd"):
+            return ""
+        self._advance()
+        return text
+
+    def flush(self) -> str:
+        text = self._diff()
+        self._advance()
+        return text
+
+
+class _StopText:
+    """Holds back the tail that might begin a stop string; finds the first complete one."""
+
+    __slots__ = ("_stops", "_hold", "_pending")
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(stops)
+        self._hold = max(len(s) for s in self._stops) - 1
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string completed)."""
+        pending = self._pending + text if self._pending else text
+        best_end = -1
+        best_start = 0
+        for s in self._stops:
+            i = pending.find(s)
+            if i >= 0:
+                end = i + len(s)
+                if best_end < 0 or end < best_end or (end == best_end and i < best_start):
+                    best_end, best_start = end, i
+        if best_end >= 0:
+            self._pending = ""
+            return pending[:best_start], True
+        cut = len(pending) - self._hold
+        if cut <= 0:
+            self._pending = pending
+            return "", False
+        self._pending = pending[cut:]
+        return pending[:cut], False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+class Detokenizer:
+    """One request's detokenizer. Call `step(ids)` per delta and `step(ids, final=True)` for the
+    last one (or `finish()` when the stream ends without tokens); each returns the text to emit.
+    Once `stopped` is true every later call returns ""."""
+
+    __slots__ = ("_text", "_stop", "stopped")
+
+    def __init__(self, text: _TextSource, stops: Sequence[str] = ()):
+        self._text = text
+        self._stop = _StopText(stops) if stops else None
+        self.stopped = False
+
+    def step(self, ids: Sequence[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        text = self._text.feed(ids) if ids else ""
+        if final:
+            text += self._text.flush()
+        stop = self._stop
+        if stop is None:
+            return text
+        out, hit = stop.feed(text)
+        if hit:
+            self.stopped = True
+            return out
+        if final:
+            out += stop.flush()
+        return out
+
+    def finish(self) -> str:
+        return self.step((), final=True)
+
+
+class DetokenizerFactory:
+    """Built once per tokenizer; makes a `Detokenizer` per request."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 byte_level: bool | None = None):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        if byte_level is None:
+            byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._table = byte_table(tokenizer, skip_special_tokens) if byte_level else None
+
+    @property
+    def byte_level(self) -> bool:
+        return self._table is not None
+
+    def new(self, stops: Sequence[str] = (), context_ids: Sequence[int] = ()) -> Detokenizer:
+        """`context_ids`: the prompt's ids (only its last few are used, by the windowed decoder)."""
+        text: _TextSource
+        if self._table is not None:
+            text = _ByteLevelText(self._table)
+        else:
+            text = _WindowText(self.tokenizer, self.skip_special_tokens, context_ids)
+        return Detokenizer(text, stops)
