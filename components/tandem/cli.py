@@ -52,6 +52,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "default) or only new ones (default: cumulative)")
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="mock engine only: a fixed delay per engine step (default: 0)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=C.KV_TRANSFER_TIMEOUT_S,
+                   help="PD: seconds one KV transfer may take before it fails "
+                        f"(default: {C.KV_TRANSFER_TIMEOUT_S:.0f})")
+    p.add_argument("--kv-room-timeout", type=float, default=C.KV_ROOM_TIMEOUT_S,
+                   help="PD, prefill side: seconds a request waits for its decode worker's pages "
+                        f"(default: {C.KV_ROOM_TIMEOUT_S:.0f})")
+    p.add_argument("--kv-done-timeout", type=float, default=C.KV_DONE_TIMEOUT_S,
+                   help="PD, decode side: seconds a request waits for its KV to arrive "
+                        f"(default: {C.KV_DONE_TIMEOUT_S:.0f})")
+    p.add_argument("--kv-bytes-per-s", type=float, default=0.0,
+                   help="mock engine only: simulated KV transfer rate in bytes/s (default: 0 = "
+                        "instant)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
 
     w = sub.add_parser("worker", parents=[common], help="run one worker process serving an engine over ZMQ")
-    w.add_argument("--role", choices=["agg"], default="agg",
-                   help="agg: prefill and decode in this worker (default: agg)")
+    w.add_argument("--role", choices=["agg", "prefill", "decode"], default="agg",
+                   help="agg: prefill and decode in this worker; prefill: compute prompts' KV and "
+                        "hand it to decode workers; decode: receive KV and generate (default: agg)")
+    w.add_argument("--bootstrap-port", type=_port, default=None,
+                   help="prefill role: port of the KV bootstrap socket decode workers connect to "
+                        "(required for --role prefill)")
     w.add_argument("--model", type=_model_dir, required=True, help="HF checkpoint directory")
     w.add_argument("--host", default=C.DEFAULT_HOST,
                    help=f"address to bind the worker socket (default: {C.DEFAULT_HOST})")
@@ -120,7 +136,9 @@ def worker_config(args: argparse.Namespace) -> C.WorkerConfig:
         role=args.role, engine=args.engine, model=args.model, host=args.host, port=args.port,
         page_size=args.page_size, num_pages=args.num_pages or 0, max_batch=args.max_batch,
         device=args.device, output_mode=args.output_mode, step_delay_ms=args.step_delay_ms,
-        name=args.name,
+        name=args.name, bootstrap_port=args.bootstrap_port or 0,
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_room_timeout_s=args.kv_room_timeout,
+        kv_done_timeout_s=args.kv_done_timeout, kv_bytes_per_s=args.kv_bytes_per_s,
     )
 
 
@@ -141,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from tandem.worker.main import run_worker
 
+        if args.role == "prefill" and not args.bootstrap_port:
+            print("tandem worker: --role prefill needs --bootstrap-port", file=sys.stderr)
+            return 2
         run_worker(worker_config(args))
         return 0
     if args.command == "frontend":

@@ -4,11 +4,16 @@ Token ids are deterministic (a function of the prompt and the position), so two 
 test can predict them. Page accounting is real (a PagePool, pages allocated at admission for
 min(prompt + max_tokens, max_context) tokens and freed on finish/abort). Timing: an optional fixed
 delay per engine step; with zero delay each step yields to the event loop once.
+
+PD roles follow the same handoff protocol as the reference engine (tandem.kv.handoff), with a
+SimulatedMover instead of NIXL: the prefill side holds the prompt's pages until its "write" is done,
+the decode side reserves pages for the whole request and decodes from the first token on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections import deque
@@ -17,11 +22,13 @@ from dataclasses import dataclass, field
 
 from tandem.engines.base import (
     Engine,
+    EngineError,
     EngineOutput,
     EngineRequest,
     EngineRequestError,
     ModelSpec,
 )
+from tandem.kv.handoff import DecodeSide, KvHandoffError, PrefillSide
 from tandem.kv.pages import PagePool
 from tandem.runtime.protocol import FinishReason, Load, OutputMode
 
@@ -35,9 +42,13 @@ def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozense
     return tok
 
 
-def spec_from_model_dir(model_dir: str) -> ModelSpec:
+def _read_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        return json.load(f)
+
+
+def spec_from_model_dir(model_dir: str) -> ModelSpec:
+    cfg = _read_config(model_dir)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     return ModelSpec(
@@ -71,6 +82,16 @@ class MockEngine(Engine):
         step_delay_s: float = 0.0,
     ) -> None:
         self.spec = spec_from_model_dir(model_dir)
+        cfg = _read_config(model_dir)
+        heads = int(cfg.get("num_attention_heads", 8))
+        head_dim = int(cfg.get("head_dim", int(cfg.get("hidden_size", 512)) // heads))
+        # The bytes one page would take in the reference engine's layout (float32).
+        self.page_bytes = (int(cfg.get("num_hidden_layers", 2)) * 2 * page_size
+                           * int(cfg.get("num_key_value_heads", heads)) * head_dim * 4)
+        self.prefill_side: PrefillSide | None = None
+        self.decode_side: DecodeSide | None = None
+        self._handoffs = 0  # PD requests between admission and the decode batch
+        self._freed = asyncio.Event()
         self.page_size = page_size
         self.num_pages = num_pages or max(1, (max_batch * self.spec.max_context) // page_size)
         self.pool = PagePool(self.num_pages, page_size)
@@ -96,7 +117,7 @@ class MockEngine(Engine):
 
     def load(self) -> Load:
         return Load(
-            running=len(self._running),
+            running=len(self._running) + self._handoffs,
             waiting=len(self._waiting),
             pages_free=self.pool.num_free,
             pages_total=self.num_pages,
@@ -108,7 +129,14 @@ class MockEngine(Engine):
         if seq is not None:
             self._finish(seq, "abort")
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if req.bootstrap is not None and self.prefill_side is not None:
+            return self._prefill(req, self.prefill_side)
+        if req.bootstrap is not None and self.decode_side is not None:
+            return self._decode(req, self.decode_side)
+        return self._agg(req)
+
+    def _budget(self, req: EngineRequest) -> int:
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
             raise EngineRequestError("prompt is empty")
@@ -119,9 +147,17 @@ class MockEngine(Engine):
         budget = min(req.sampling.max_tokens, self.spec.max_context - n_prompt)
         if self.pool.pages_for(n_prompt + budget) > self.num_pages:
             raise EngineRequestError("request needs more KV pages than the worker has")
-        seq = _Seq(req, asyncio.Queue(), budget)
+        return budget
+
+    async def _agg(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        seq = _Seq(req, asyncio.Queue(), self._budget(req))
         self._waiting.append(seq)
         self._wake.set()
+        async with contextlib.aclosing(self._outputs(seq)) as outs:
+            async for out in outs:
+                yield out
+
+    async def _outputs(self, seq: _Seq) -> AsyncIterator[EngineOutput]:
         try:
             while True:
                 out = await seq.queue.get()
@@ -131,6 +167,75 @@ class MockEngine(Engine):
         finally:
             if not seq.done:
                 self._finish(seq, "abort", deliver=False)
+
+    # --- PD ---------------------------------------------------------------------------------------
+    async def _take_pages(self, rid: str, num_pages: int, reserve: bool) -> None:
+        """Pages for a PD request, waiting (behind nobody: the mock is not fair) until some free."""
+        while not self.pool.can_allocate(num_pages):
+            self._freed.clear()
+            await self._freed.wait()
+        if reserve:
+            self.pool.reserve(rid, num_pages)
+        else:
+            self.pool.allocate(rid, num_pages)
+
+    def _free(self, rid: str) -> None:
+        if self.pool.free(rid):
+            self._freed.set()
+
+    async def _prefill(self, req: EngineRequest, side: PrefillSide) -> AsyncIterator[EngineOutput]:
+        self._budget(req)
+        assert req.bootstrap is not None
+        room, n_prompt = req.bootstrap.room, len(req.prompt_ids)
+        sent = False
+        self._handoffs += 1
+        try:
+            await self._take_pages(req.rid, self.pool.pages_for(n_prompt), reserve=False)
+            dest = await side.wait_room(room)
+            first = mock_token(req.prompt_ids, 0, self.spec.vocab_size, self._avoid)
+            sent = True
+            await side.send(room, dest, self.pool.pages_of(req.rid), first)
+        except KvHandoffError as e:
+            raise EngineError(str(e)) from e
+        finally:
+            self._handoffs -= 1
+            if not sent:
+                side.fail(room, "the prefill request was aborted")
+            self._free(req.rid)
+        yield EngineOutput([first], "length", n_prompt, 1)
+
+    async def _decode(self, req: EngineRequest, side: DecodeSide) -> AsyncIterator[EngineOutput]:
+        budget = self._budget(req)
+        assert req.bootstrap is not None
+        rid, n_prompt = req.rid, len(req.prompt_ids)
+        self._handoffs += 1
+        try:
+            await self._take_pages(rid, self.pool.pages_for(n_prompt + budget), reserve=True)
+            pages = self.pool.pages_of(rid)[: self.pool.pages_for(n_prompt)]
+            # On failure fetch() calls release once no write can land in the pages any more.
+            first = await side.fetch(req.bootstrap, pages, lambda: self._free(rid))
+        except KvHandoffError as e:
+            raise EngineError(str(e)) from e
+        finally:
+            self._handoffs -= 1
+        self.pool.commit(rid)
+        seq = _Seq(req, asyncio.Queue(), budget, [first])
+        reason = self._finish_reason(seq, first, 0)
+        if reason is not None:
+            seq.done = True
+            self._free(rid)
+            yield self._output(seq, [first], reason)
+            return
+        self._running[rid] = seq
+        self._wake.set()
+        try:
+            yield self._output(seq, [first], None)
+        except BaseException:
+            self._finish(seq, "abort", deliver=False)
+            raise
+        async with contextlib.aclosing(self._outputs(seq)) as outs:
+            async for out in outs:
+                yield out
 
     # --- the step loop ----------------------------------------------------------------------------
     def _finish(self, seq: _Seq, reason: FinishReason, deliver: bool = True) -> None:
@@ -142,7 +247,7 @@ class MockEngine(Engine):
             self._waiting.remove(seq)
         except ValueError:
             pass
-        self.pool.free(seq.req.rid)
+        self._free(seq.req.rid)
         if deliver:
             seq.queue.put_nowait(self._output(seq, [], reason))
 
@@ -164,21 +269,25 @@ class MockEngine(Engine):
     def _step(self) -> None:
         vocab = self.spec.vocab_size
         for seq in list(self._running.values()):
-            sp = seq.req.sampling
             pos = len(seq.output_ids)
             tok = mock_token(seq.req.prompt_ids, pos, vocab, self._avoid)
             seq.output_ids.append(tok)
-            reason: FinishReason | None = None
-            if tok in sp.stop_token_ids and pos + 1 >= sp.min_tokens:
-                reason = "stop"
-            elif pos + 1 >= seq.budget:
-                reason = "length"
+            reason = self._finish_reason(seq, tok, pos)
             out = self._output(seq, [tok], reason)
             if reason is not None:
                 seq.done = True
                 del self._running[seq.req.rid]
-                self.pool.free(seq.req.rid)
+                self._free(seq.req.rid)
             seq.queue.put_nowait(out)
+
+    @staticmethod
+    def _finish_reason(seq: _Seq, tok: int, pos: int) -> FinishReason | None:
+        sp = seq.req.sampling
+        if tok in sp.stop_token_ids and pos + 1 >= sp.min_tokens:
+            return "stop"
+        if pos + 1 >= seq.budget:
+            return "length"
+        return None
 
     async def _loop(self) -> None:
         while True:

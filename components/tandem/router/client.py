@@ -48,7 +48,8 @@ class RequestStream:
     StreamProtocolError). Leaving the context before the final delta aborts the request.
     """
 
-    __slots__ = ("rid", "_client", "_msg", "_items", "_wake", "received", "finished", "_opened")
+    __slots__ = ("rid", "_client", "_msg", "_items", "_wake", "received", "finished", "_opened",
+                 "_over")
 
     def __init__(self, client: WorkerClient, msg: Generate) -> None:
         self.rid = msg.rid
@@ -57,8 +58,9 @@ class RequestStream:
         self._items: deque[Delta | errors.TandemError] = deque()
         self._wake = asyncio.Event()
         self.received = 0
-        self.finished = False
+        self.finished = False  # the worker sent the final delta: nothing to abort
         self._opened = False
+        self._over = False  # iteration has ended (finished or failed)
 
     async def __aenter__(self) -> RequestStream:
         self._client.start_request(self)
@@ -77,24 +79,24 @@ class RequestStream:
         self._wake.set()
 
     async def __anext__(self) -> Delta:
-        if self.finished:
+        if self._over:
             raise StopAsyncIteration
         while not self._items:
             self._wake.clear()
             await self._wake.wait()  # bounded by the worker heartbeat deadline
         item = self._items.popleft()
         if isinstance(item, errors.TandemError):
-            self.finished = True
+            self._over = True
             raise item
         if item.offset != self.received:
-            self.finished = True  # leaving the context still aborts: see end_request
+            self._over = True  # not finished: leaving the context aborts it on the worker
             self._client.protocol_errors += 1
             raise errors.StreamProtocolError(
                 f"delta for {self.rid} at offset {item.offset}, expected {self.received}"
             )
         self.received += len(item.token_ids)
         if item.finish_reason is not None:
-            self.finished = True
+            self.finished = self._over = True
             if item.finish_reason == "error":
                 cls = _STATUS_ERRORS.get(item.status, errors.EngineFailed)
                 raise cls(item.error or "the engine failed this request")

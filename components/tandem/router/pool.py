@@ -1,16 +1,21 @@
-"""WorkerPool: the frontend's view of every worker, and the routing policy that picks one.
+"""WorkerPool: the frontend's view of every worker, and the routing policy that picks them.
 
-Policy for aggregated serving: the usable worker with the fewest requests in flight, ties broken by
-its last reported free pages. `open()` raises Unavailable (HTTP 503) when no worker is usable.
+Workers announce their role in the handshake. With usable prefill and decode workers a request is
+served disaggregated (PDStream: a prefill and a decode worker, a fresh 63-bit room); otherwise by
+one aggregated worker. Within a role the pick is the usable worker with the fewest requests in
+flight, ties broken by its last reported free pages. `open()` raises Unavailable (HTTP 503) when
+no worker (or pair) is usable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import uuid
 
 from tandem.router.client import RequestStream, WorkerClient
+from tandem.router.pd import PDStream, bootstrap_of
 from tandem.runtime import errors
 from tandem.runtime.protocol import Generate, SamplingParams, WorkerInfo
 
@@ -44,29 +49,38 @@ class WorkerPool:
                 return c.info
         return None
 
-    def ready(self) -> bool:
-        return any(c.usable for c in self.clients)
+    def _usable(self, role: str) -> bool:
+        return any(c.usable and c.info is not None and c.info.role == role for c in self.clients)
 
-    def _pick(self) -> WorkerClient:
+    def ready(self) -> bool:
+        """Ready to serve: a usable aggregated worker, or a usable prefill AND decode worker."""
+        return self._usable("agg") or (self._usable("prefill") and self._usable("decode"))
+
+    def _pick(self, role: str) -> WorkerClient | None:
         best: WorkerClient | None = None
         for c in self.clients:
-            if not c.usable:
+            if not c.usable or c.info is None or c.info.role != role:
                 continue
             if best is None or (len(c.in_flight), -c.load.pages_free) < (
                 len(best.in_flight), -best.load.pages_free
             ):
                 best = c
-        if best is None:
-            raise errors.Unavailable("no worker is available", retry_after=1.0)
         return best
 
     def new_rid(self) -> str:
         self._next_rid += 1
         return f"{self._rid_prefix}-{self._next_rid}"
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream:
-        client = self._pick()
-        return RequestStream(client, Generate(self.new_rid(), prompt_ids, sampling))
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream | PDStream:
+        p, d = self._pick("prefill"), self._pick("decode")
+        if p is not None and d is not None:
+            room = secrets.randbits(63)
+            msg = Generate(self.new_rid(), prompt_ids, sampling, bootstrap_of(p, room))
+            return PDStream(p, d, msg)
+        agg = self._pick("agg")
+        if agg is None:
+            raise errors.Unavailable("no worker is available", retry_after=1.0)
+        return RequestStream(agg, Generate(self.new_rid(), prompt_ids, sampling))
 
     async def snapshot(self) -> list[dict]:
         loads = await asyncio.gather(*(c.query_load() for c in self.clients))

@@ -14,6 +14,9 @@ HEARTBEAT_INTERVAL_S = 0.5  # the frontend asks every worker for its load this o
 HEARTBEAT_DEADLINE_S = 3.0  # no answer for this long: the worker is down, its requests fail
 LOAD_QUERY_TIMEOUT_S = 1.0
 DRAIN_TIMEOUT_S = 10.0  # on SIGTERM, in-flight requests get this long to finish
+KV_TRANSFER_TIMEOUT_S = 30.0  # one NIXL write of a request's pages, from start to all bytes in place
+KV_ROOM_TIMEOUT_S = 60.0  # prefill side: how long a request waits for its decode side's pages
+KV_DONE_TIMEOUT_S = 120.0  # decode side: how long a request waits for its KV (queue+prefill+write)
 ZMQ_HWM = 100_000  # messages; deltas are batched per step so this is generous
 
 
@@ -31,6 +34,11 @@ class WorkerConfig:
     output_mode: str = "cumulative"
     step_delay_ms: float = 0.0  # mock engine only
     name: str = ""
+    bootstrap_port: int = 0  # prefill role: the port of the KV bootstrap socket
+    kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
+    kv_room_timeout_s: float = KV_ROOM_TIMEOUT_S
+    kv_done_timeout_s: float = KV_DONE_TIMEOUT_S
+    kv_bytes_per_s: float = 0.0  # mock engine only: simulated transfer rate (0 = instant)
 
 
 @dataclass(frozen=True, slots=True)

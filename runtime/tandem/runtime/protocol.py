@@ -33,6 +33,11 @@ class MsgType(enum.IntEnum):
     DELTAS = 5
     LOAD_QUERY = 6
     LOAD_REPORT = 7
+    KV_HELLO = 16
+    KV_HELLO_REPLY = 17
+    KV_ROOM = 18
+    KV_CANCEL = 19
+    KV_DONE = 20
 
 
 class SamplingParams(_Msg, frozen=True):
@@ -145,6 +150,57 @@ class LoadReport(_Msg):
     load: Load
 
 
+# --- the KV bootstrap socket of a prefill worker (DESIGN §1 steps 3-4) ---------------------------
+
+
+class KvLayout(_Msg, frozen=True):
+    """What a peer needs to address a worker's KV pages (page-major: page i is the contiguous byte
+    range [base_addr + i * page_bytes, + page_bytes))."""
+
+    base_addr: int
+    page_bytes: int
+    num_pages: int
+    mem: str = "DRAM"
+    device: int = 0
+
+
+class KvHello(_Msg):
+    """decode -> prefill, once per peer: who I am and where my pages are."""
+
+    version: int
+    decode_name: str
+    agent_metadata: bytes
+    layout: KvLayout
+
+
+class KvHelloReply(_Msg):
+    ok: bool
+    prefill_name: str = ""
+    error: str = ""
+
+
+class KvRoom(_Msg):
+    """decode -> prefill: write the KV of `room`'s prompt into these pages of mine."""
+
+    room: int
+    pages: list[int]
+
+
+class KvCancel(_Msg):
+    """decode -> prefill: the room's request was aborted on the decode side."""
+
+    room: int
+
+
+class KvDone(_Msg):
+    """prefill -> decode: the room's KV is in place (ok) with the first sampled token, or not."""
+
+    room: int
+    ok: bool
+    first_token: int = -1
+    error: str = ""
+
+
 TYPE_OF: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
     HelloReply: MsgType.HELLO_REPLY,
@@ -153,6 +209,11 @@ TYPE_OF: dict[type, MsgType] = {
     Deltas: MsgType.DELTAS,
     LoadQuery: MsgType.LOAD_QUERY,
     LoadReport: MsgType.LOAD_REPORT,
+    KvHello: MsgType.KV_HELLO,
+    KvHelloReply: MsgType.KV_HELLO_REPLY,
+    KvRoom: MsgType.KV_ROOM,
+    KvCancel: MsgType.KV_CANCEL,
+    KvDone: MsgType.KV_DONE,
 }
 CLASS_OF: dict[int, type] = {int(t): c for c, t in TYPE_OF.items()}
 TYPE_BYTES: dict[type, bytes] = {c: bytes([int(t)]) for c, t in TYPE_OF.items()}

@@ -58,8 +58,14 @@ def frames(msg: protocol._Msg, identity: bytes | None = None) -> list[bytes]:
 
 def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, identity: bytes | None = None) -> None:
     """Queue a message without awaiting: ZMQ keeps order; past the high-water mark this raises
-    zmq.Again rather than growing memory without bound."""
-    sock.send_multipart(frames(msg, identity), flags=zmq.NOBLOCK, copy=True)
+    zmq.Again rather than growing memory without bound, and an unroutable identity raises
+    EHOSTUNREACH. (pyzmq's asyncio socket tries a NOBLOCK send at once and reports the outcome in
+    the returned future, already done: surface it here instead of losing it.)"""
+    fut = sock.send_multipart(frames(msg, identity), flags=zmq.NOBLOCK, copy=True)
+    if fut.done():
+        exc = fut.exception()
+        if exc is not None:
+            raise exc
 
 
 async def recv_router(sock: zmq.asyncio.Socket) -> tuple[bytes, protocol._Msg]:
