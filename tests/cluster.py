@@ -103,6 +103,9 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.frontend is not None and self.frontend.alive(), self.frontend.log()
+            for w in self.workers:
+                if isinstance(w, Proc) and not w.alive():
+                    raise RuntimeError(f"{w.name} exited with {w.popen.returncode}:\n{w.log()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:

@@ -116,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "until ready, and stop them all on Ctrl-C or SIGTERM")
     u.add_argument("--model", type=_model_dir, required=True, help="HF checkpoint directory")
     u.add_argument("--workers", type=_positive_int, default=1,
-                   help="number of aggregated workers (default: 1)")
+                   help="number of aggregated workers, when no --prefill/--decode (default: 1)")
+    u.add_argument("--prefill", type=_positive_int, default=0,
+                   help="number of prefill workers: with --decode, serve disaggregated (xPyD)")
+    u.add_argument("--decode", type=_positive_int, default=0,
+                   help="number of decode workers: with --prefill, serve disaggregated (xPyD)")
     u.add_argument("--port", type=_port, default=C.DEFAULT_HTTP_PORT,
                    help=f"HTTP port of the frontend (default: {C.DEFAULT_HTTP_PORT})")
     u.add_argument("--worker-base-port", type=_port, default=None,
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from tandem.up import run_up
 
+        if bool(args.prefill) != bool(args.decode):
+            print("tandem up: disaggregated serving needs both --prefill N and --decode M",
+                  file=sys.stderr)
+            return 2
         return run_up(args)
     return 2
 

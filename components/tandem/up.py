@@ -30,6 +30,10 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
              "--output-mode", args.output_mode, "--step-delay-ms", str(args.step_delay_ms)]
     if args.num_pages:
         flags += ["--num-pages", str(args.num_pages)]
+    flags += ["--kv-transfer-timeout", str(args.kv_transfer_timeout),
+              "--kv-room-timeout", str(args.kv_room_timeout),
+              "--kv-done-timeout", str(args.kv_done_timeout),
+              "--kv-bytes-per-s", str(args.kv_bytes_per_s)]
     return flags
 
 
@@ -110,12 +114,19 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     base = args.worker_base_port
+    roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.prefill else \
+        ["agg"] * args.workers
     addrs = []
-    for i in range(args.workers):
-        port = base + i if base else free_port(host)
+    ports = iter(range(base, base + 2 * len(roles))) if base else None
+    for i, role in enumerate(roles):
+        port = next(ports) if ports else free_port(host)
         addrs.append(f"tcp://{host}:{port}")
-        cluster.spawn(f"worker {i}", ["worker", "--role", "agg", "--model", args.model,
-                                      "--host", host, "--port", str(port), *_engine_flags(args)])
+        extra = []
+        if role == "prefill":
+            extra = ["--bootstrap-port", str(next(ports) if ports else free_port(host))]
+        cluster.spawn(f"{role} worker {i}", ["worker", "--role", role, "--model", args.model,
+                                             "--host", host, "--port", str(port), *extra,
+                                             *_engine_flags(args)])
     cluster.spawn("frontend", ["frontend", "--model", args.model, "--workers", ",".join(addrs),
                                "--host", host, "--port", str(args.port),
                                "--stream-interval", str(args.stream_interval)])
@@ -126,8 +137,9 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"tandem up: the cluster did not become ready ({dead or 'timed out'})",
                   file=sys.stderr)
             return 1
-        print(f"\ntandem is serving {model_name} at {url}  ({args.workers} {args.engine} "
-              f"worker{'s' if args.workers > 1 else ''})")
+        shape = f"{args.prefill}P{args.decode}D" if args.prefill else \
+            f"{args.workers} aggregated worker{'s' if args.workers > 1 else ''}"
+        print(f"\ntandem is serving {model_name} at {url}  ({shape}, {args.engine} engine)")
         print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"stream\": true, \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")

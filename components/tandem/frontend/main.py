@@ -1,0 +1,24 @@
+"""`tandem frontend`: connect to the workers, serve the OpenAI API, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.frontend.server import serve
+from tandem.router.pool import WorkerPool
+from tandem.runtime import lifecycle
+from tandem.runtime.config import HELLO_TIMEOUT_S, FrontendConfig
+
+
+def run_frontend(cfg: FrontendConfig) -> None:
+    lifecycle.run(lambda stop: _main(cfg, stop))
+
+
+async def _main(cfg: FrontendConfig, stop: asyncio.Event) -> None:
+    pool = WorkerPool(cfg.workers)
+    try:
+        # Serve at once; workers that are not up yet join when they answer the handshake.
+        await pool.start(wait_s=HELLO_TIMEOUT_S if not stop.is_set() else 0)
+        await serve(cfg, pool, stop=stop)
+    finally:
+        await pool.close()
