@@ -79,17 +79,24 @@ def _ids(v: int | list[int] | None) -> tuple[int, ...]:
     return (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)
 
 
-def load_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Read config and weights (float tensors as stored, on CPU). `lm_head.weight` is always present:
-    with tied embeddings it is the embedding tensor itself."""
+def read_config(path: str | Path) -> LlamaConfig:
+    """The model's shape and special ids, without touching the weights. EOS ids are the union of
+    config.json's and generation_config.json's (chat models stop on both)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} has no config.json")
-    raw = json.loads(cfg_file.read_text())
     gen_file = path / "generation_config.json"
-    gen_eos = _ids(json.loads(gen_file.read_text()).get("eos_token_id")) if gen_file.is_file() else ()
-    config = LlamaConfig.from_dict(raw, gen_eos)
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen_eos = _ids(gen.get("eos_token_id"))
+    return LlamaConfig.from_dict(json.loads(cfg_file.read_text()), gen_eos)
+
+
+def load_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Read config and weights (tensors as stored, on CPU). `lm_head.weight` is always present;
+    with tied embeddings it is the embedding tensor itself."""
+    path = Path(path)
+    config = read_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors")
@@ -150,7 +157,7 @@ def _tiny_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_model(path: str | Path, seed: int = 0) -> None:
-    """Write a tiny Llama checkpoint (GQA, 2 layers, hidden 64) to `path`; deterministic in `seed`."""
+    """Write a tiny Llama checkpoint (GQA, 2 layers, hidden 64) to `path`; deterministic in seed."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(TINY_VOCAB)

@@ -114,7 +114,7 @@ class LlamaBody(nn.Module):
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
-    """q [B, Hq, n, D], k/v [B, Hkv, T, D] -> [B, Hq, n, D]; GQA maps q head j to kv head j // rep."""
+    """q [B, Hq, n, D], k/v [B, Hkv, T, D] -> [B, Hq, n, D]; q head j reads kv head j // rep."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -196,7 +196,10 @@ class Llama(nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> Llama:
         cfg, state = load_checkpoint(path)
         return cls.from_state_dict(cfg, state, device, dtype)
@@ -232,7 +235,8 @@ class Llama(nn.Module):
     def new_kv_cache(self, num_pages: int, page_size: int) -> Tensor:
         c = self.config
         shape = (num_pages, c.num_hidden_layers, 2, page_size, c.num_key_value_heads, c.head_dim)
-        return torch.zeros(shape, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+        w = self.lm_head.weight
+        return torch.zeros(shape, dtype=w.dtype, device=w.device)
 
     def page_bytes(self, page_size: int) -> int:
         c = self.config
@@ -276,7 +280,7 @@ class Llama(nn.Module):
 
 
 def page_table(pages: list[list[int]], device: torch.device | str = "cpu") -> Tensor:
-    """Pad page lists to one [B, max pages] int64 tensor (padding repeats each list's first page)."""
+    """Pad page lists to one [B, max pages] int64 tensor (padding repeats a list's first page)."""
     width = max(len(p) for p in pages)
     rows = [p + [p[0]] * (width - len(p)) for p in pages]
     return torch.tensor(rows, dtype=torch.int64, device=device)

@@ -1,0 +1,192 @@
+"""Which sequences run in the next step, and their page bookkeeping. Plain Python over PagePool;
+no torch and no threads here (the engine holds the lock around every call).
+
+A sequence is admitted from the waiting queue (FIFO) only when the pool can give it pages for
+`max_total` tokens up front, so decode never runs out of pages mid-request. A step is: the running
+sequences that are ready to decode, plus newly admitted ones to prefill.
+
+Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_cached]` sit in
+`pages`. Prefill computes `tokens[num_cached:]` and samples the first output token; decode feeds
+`tokens[-1]` at position `num_tokens - 1`.
+
+Disaggregated serving (`pd`): a prefill-only sequence ("prefill") holds pages for its prompt only;
+after its prefill step it leaves the batch as SENDING, keeping its pages until its KV has been sent.
+A decode sequence ("decode") is admitted by *reserving* pages for `max_total` tokens; it waits as
+FETCHING, outside the batch but counted against `max_batch`, while its prompt's K/V is written into
+them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)` and its first
+token already in `output_ids`: it skips prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from tandem.kv.pages import PagePool
+from tandem.runtime.protocol import FinishReason, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FETCHING = "fetching"  # decode: pages reserved, waiting for the prompt's K/V to arrive
+    SENDING = "sending"  # prefill: computed, pages held until the K/V has been sent
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_total: int  # prompt + completion tokens it may reach: min(prompt + max_tokens, context)
+    stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
+    owner: str = ""  # its name in the page pool, unique per request (rids can be reused)
+    pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
+    seed: int | None = None  # base seed of a sampled request (sampler.base_seed)
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    in_flight: bool = False  # the step thread computes on its pages right now
+    abort_requested: bool = False  # abort arrived while in flight (or in a handoff)
+    kv_busy: bool = False  # FETCHING with a transfer under way: only the fetch frees its pages
+
+    def __post_init__(self) -> None:
+        if not self.owner:
+            self.owner = self.rid
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_completion(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_ids)
+
+    def banned_ids(self) -> frozenset[int]:
+        """Stop ids may not be sampled before min_tokens completion tokens exist."""
+        return self.stop_ids if self.num_completion < self.sampling.min_tokens else frozenset()
+
+    def finish_after(self, token: int) -> FinishReason | None:
+        """Record a sampled token; return why the sequence ends now, if it does."""
+        self.output_ids.append(token)
+        if token in self.stop_ids and self.num_completion >= self.sampling.min_tokens:
+            return "stop"
+        if self.num_tokens >= self.max_total:
+            return "length"
+        return None
+
+
+@dataclass(slots=True)
+class Batch:
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    reserved: list[Sequence] = field(default_factory=list)  # decode seqs that just got pages
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode or self.reserved)
+
+    def all(self) -> list[Sequence]:
+        return self.prefill + self.decode
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_batch: int, max_prefill_tokens: int) -> None:
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.fetching: dict[str, Sequence] = {}
+        self.sending: dict[str, Sequence] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted and not finished: computing, fetching its K/V, or sending it."""
+        return len(self.running) + len(self.fetching) + len(self.sending)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def all(self) -> list[Sequence]:
+        return [*self.waiting, *self.running.values(), *self.fetching.values(),
+                *self.sending.values()]
+
+    def fits_at_all(self, max_total: int) -> bool:
+        return self.pool.pages_for(max_total) <= self.pool.num_pages
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Batch:
+        """Pick the next step's work and mark it in flight."""
+        batch = Batch(decode=[s for s in self.running.values() if not s.needs_prefill])
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
+            seq = self.waiting[0]
+            need = self.pool.pages_for(seq.max_total)
+            if seq.pd == "decode":
+                if not self.pool.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                seq.pages = self.pool.reserve(seq.owner, need)
+                seq.status = SeqStatus.FETCHING
+                self.fetching[seq.owner] = seq
+                batch.reserved.append(seq)
+                continue
+            new_tokens = len(seq.prompt_ids) - seq.num_cached
+            if not self.pool.can_allocate(need) or (batch.prefill and new_tokens > budget):
+                break
+            self.waiting.popleft()
+            seq.pages = self.pool.allocate(seq.owner, need)
+            seq.status = SeqStatus.RUNNING
+            self.running[seq.owner] = seq
+            batch.prefill.append(seq)
+            budget -= new_tokens
+        for seq in batch.all():
+            seq.in_flight = True
+        return batch
+
+    def to_sending(self, seq: Sequence) -> None:
+        """A prefill-only sequence computed its first token: out of the batch, pages kept."""
+        del self.running[seq.owner]
+        seq.status = SeqStatus.SENDING
+        self.sending[seq.owner] = seq
+
+    def join(self, seq: Sequence, first_token: int) -> FinishReason | None:
+        """A decode sequence's prompt K/V arrived: its pages become its own and it runs, with
+        `first_token` as its first output. Returns why it ends at once, if it does."""
+        del self.fetching[seq.owner]
+        self.pool.commit(seq.owner)
+        seq.status = SeqStatus.RUNNING
+        self.running[seq.owner] = seq
+        seq.num_cached = len(seq.prompt_ids)
+        finish = seq.finish_after(first_token)
+        if finish is not None:
+            self.finish(seq, finish)
+        return finish
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence wherever it is and give its pages back. Idempotent."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            for group in (self.running, self.fetching, self.sending):
+                if group.get(seq.owner) is seq:
+                    del group[seq.owner]
+        self.pool.free(seq.owner)
+        seq.pages = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
