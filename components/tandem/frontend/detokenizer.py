@@ -75,13 +75,14 @@ class _TextSource(Protocol):
 
 
 class _ByteLevelText:
-    """Token bytes through an incremental UTF-8 decoder: incomplete characters wait inside it."""
+    """Token bytes through an incremental UTF-8 decode: the bytes of an incomplete character wait
+    in `_pending` until it completes (or the request finishes)."""
 
-    __slots__ = ("_table", "_utf8")
+    __slots__ = ("_table", "_pending")
 
     def __init__(self, table: list[bytes]):
         self._table = table
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = b""
 
     def feed(self, ids: Sequence[int]) -> str:
         table = self._table
@@ -91,10 +92,15 @@ class _ByteLevelText:
             data = table[i] if 0 <= i < n else b""
         else:
             data = b"".join([table[i] if 0 <= i < n else b"" for i in ids])
-        return self._utf8.decode(data)
+        if self._pending:
+            data = self._pending + data
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._pending = data[used:] if used < len(data) else b""
+        return text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", True)
+        data, self._pending = self._pending, b""
+        return codecs.utf_8_decode(data, "replace", True)[0]
 
 
 class _WindowText:

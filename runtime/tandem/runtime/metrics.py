@@ -150,6 +150,10 @@ class Histogram(_Metric):
     def observe(self, value: float) -> None:
         self._children[()].observe(value)
 
+    def child(self) -> _HistogramChild:
+        """The unlabelled series, to keep and observe into on a hot path."""
+        return self._children[()]
+
     def render(self) -> list[str]:
         lines = self._header()
         for values, child in sorted(self._children.items()):

@@ -1,0 +1,83 @@
+"""Server-sent events as the OpenAI streaming API writes them: `data: {json}\\n\\n` per chunk and a
+final `data: [DONE]\\n\\n`.
+
+`ChunkEncoder` holds one request's chunk prefix and suffix as bytes, so the per-chunk hot path is
+one JSON encode of the new text between two constant byte strings. The bytes equal what encoding
+the `openai_api` chunk Structs gives (a unit test holds them to that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tandem.frontend import openai_api as api
+
+DONE = b"data: [DONE]\n\n"
+HEADERS: list[tuple[bytes, bytes]] = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+_encode = msgspec.json.Encoder().encode
+_FINISH: dict[str | None, bytes] = {None: b"null", "stop": b'"stop"', "length": b'"length"',
+                                    "abort": b'"abort"'}
+
+Kind = Literal["chat", "completion"]
+
+
+def event(obj: Any) -> bytes:
+    """One SSE event carrying `obj` as JSON."""
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class ChunkEncoder:
+    """Encodes one request's streamed chunks (`chat.completion.chunk` or `text_completion`)."""
+
+    __slots__ = ("kind", "rid", "created", "model", "_head", "_mid")
+
+    def __init__(self, kind: Kind, rid: str, created: int, model: str):
+        self.kind = kind
+        self.rid = rid
+        self.created = created
+        self.model = model
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        head = (b'data: {"id":' + _encode(rid) + b',"object":"' + obj.encode() + b'","created":'
+                + str(created).encode() + b',"model":' + _encode(model) + b',"choices":[{"index":0,')
+        if kind == "chat":
+            self._head = head + b'"delta":{"content":'
+            self._mid = b'},"logprobs":null,"finish_reason":'
+        else:
+            self._head = head + b'"text":'
+            self._mid = b',"logprobs":null,"finish_reason":'
+
+    def text(self, text: str, finish: str | None = None) -> bytes:
+        """A chunk carrying new text (and, on the last one, the finish reason)."""
+        fin = _FINISH.get(finish)
+        if fin is None:
+            fin = _encode(finish)
+        return self._head + _encode(text) + self._mid + fin + b"}]}\n\n"
+
+    def role(self) -> bytes:
+        """The chat stream's first chunk: the assistant role and empty content."""
+        return event(api.ChatCompletionChunk(
+            self.rid, "chat.completion.chunk", self.created, self.model,
+            [api.ChatChunkChoice(0, api.ChatDelta(role="assistant", content=""), None, None)]))
+
+    def finish(self, finish: str) -> bytes:
+        """A last chunk with no new text: chat sends an empty delta, as OpenAI does."""
+        if self.kind == "completion":
+            return self.text("", finish)
+        return event(api.ChatCompletionChunk(
+            self.rid, "chat.completion.chunk", self.created, self.model,
+            [api.ChatChunkChoice(0, api.ChatDelta(), None, finish)]))
+
+    def usage(self, usage: api.UsageInfo) -> bytes:
+        """The `stream_options.include_usage` chunk: empty choices, the request's usage."""
+        if self.kind == "chat":
+            return event(api.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created,
+                                                 self.model, [], usage))
+        return event(api.Completion(self.rid, "text_completion", self.created, self.model, [],
+                                    usage))

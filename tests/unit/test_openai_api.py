@@ -1,0 +1,193 @@
+"""Request decoding and validation (400s with the offending param), the context-length rule, and
+response bodies that the OpenAI SDK parses."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from tandem.frontend import openai_api as api
+from tandem.frontend import sse
+from tandem.runtime import errors
+
+
+def chat(**fields: object) -> api.ChatCompletionRequest:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return api.decode_request(json.dumps(body).encode(), api.ChatCompletionRequest)
+
+
+def completion(**fields: object) -> api.CompletionRequest:
+    body = {"model": "tiny", "prompt": "hi", **fields}
+    return api.decode_request(json.dumps(body).encode(), api.CompletionRequest)
+
+
+def bad(fn, *args: object) -> errors.TandemError:  # type: ignore[no-untyped-def]
+    with pytest.raises(errors.TandemError) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', "max_tokens"),
+    (b'{"messages": [{"role": 3, "content": "hi"}]}', "messages[0].role"),
+    (b'{"messages": "hi"}', "messages"),
+    (b'{"model": "tiny"}', "messages"),
+    (b'{"messages": [], "stream": "yes"}', "stream"),
+])
+def test_wrong_types_are_400_with_the_field_path(body: bytes, param: str) -> None:
+    err = bad(api.decode_request, body, api.ChatCompletionRequest)
+    assert err.status == 400 and err.param == param
+
+
+def test_malformed_json_is_400() -> None:
+    err = bad(api.decode_request, b'{"messages": [', api.ChatCompletionRequest)
+    assert err.status == 400 and "Malformed JSON" in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_ignored() -> None:
+    assert chat(frequency_penalty=0, response_format={"type": "text"}).messages[0].content == "hi"
+
+
+def test_unknown_model_is_404_in_openai_words() -> None:
+    err = bad(api.check_model, chat(model="gpt-9"), "tiny")
+    assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
+    assert err.message == "The model `gpt-9` does not exist or you do not have access to it."
+    api.check_model(chat(model="tiny"), "tiny")
+    api.check_model(chat(model=None), "tiny")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"n": 2}, "n"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_interval": 0}, "stream_interval"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_invalid_chat_requests_are_400(fields: dict[str, object], param: str) -> None:
+    err = bad(api.validate_chat, chat(**fields))
+    assert err.status == 400 and err.param == param
+    assert err.body()["error"]["param"] == param
+
+
+def test_chat_messages_become_template_dicts() -> None:
+    req = chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"},
+    ])
+    msgs = api.validate_chat(req)
+    assert msgs[1] == {"role": "user", "content": "a\nb"}
+    assert msgs[2]["tool_calls"][0]["id"] == "1" and msgs[3]["tool_call_id"] == "1"
+
+
+@pytest.mark.parametrize("prompt, want", [
+    ("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"), ([[4, 5]], [4, 5]),
+])
+def test_one_prompt_in_any_form(prompt: object, want: object) -> None:
+    assert api.validate_completion(completion(prompt=prompt)) == want
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True}, "echo"),
+])
+def test_invalid_completion_requests_are_400(fields: dict[str, object], param: str) -> None:
+    err = bad(api.validate_completion, completion(**fields))
+    assert err.status == 400 and err.param == param
+
+
+def test_context_length_follows_vllm() -> None:
+    req = completion(max_tokens=10)
+    sp = api.sampling_params(req, 10, 90, 100, 16)
+    assert sp.max_tokens == 10
+    err = bad(api.sampling_params, req, 11, 90, 100, 16)
+    assert err.status == 400 and err.param == "max_tokens" and "maximum context length is 100" \
+        in err.message
+    err = bad(api.sampling_params, req, None, 100, 100, 16)
+    assert err.param == "prompt" and "100 input tokens" in err.message
+    # no max_tokens: the completions default, or for chat the rest of the context
+    assert api.sampling_params(completion(), None, 90, 100, 16).max_tokens == 10
+    assert api.sampling_params(completion(), None, 10, 100, 16).max_tokens == 16
+    assert api.sampling_params(chat(), None, 10, 100, None).max_tokens == 90
+
+
+def test_sampling_params_map_the_request() -> None:
+    req = chat(temperature=0, top_p=0.5, top_k=-1, seed=7, stop_token_ids=[3], ignore_eos=True,
+               min_tokens=2, max_completion_tokens=8, max_tokens=100)
+    api.validate_chat(req)
+    sp = api.sampling_params(req, api.chat_max_tokens(req), 5, 100, None)
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (8, 0, 0.5, 0, 7)
+    assert (sp.stop_token_ids, sp.ignore_eos, sp.min_tokens) == ((3,), True, 2)
+    assert api.stops_of(chat(stop="x")) == ("x",)
+
+
+def _sse_json(event: bytes) -> dict:  # type: ignore[type-arg]
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    return json.loads(event[6:-2])
+
+
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+def test_fast_chunks_equal_the_struct_encoding(finish: str | None) -> None:
+    text = 'he said "¡hola!" \n\t🙂 \u2028'
+    enc = sse.ChunkEncoder("chat", "chatcmpl-x\"y", 1700000000, "mo\"del")
+    got = _sse_json(enc.text(text, finish))
+    want = msgspec.json.decode(msgspec.json.encode(api.ChatCompletionChunk(
+        "chatcmpl-x\"y", "chat.completion.chunk", 1700000000, "mo\"del",
+        [api.ChatChunkChoice(0, api.ChatDelta(content=text), None, finish)])))
+    assert got == want
+    chunk = ChatCompletionChunk.model_validate(got)
+    assert chunk.choices[0].delta.content == text and chunk.choices[0].finish_reason == finish
+
+    enc = sse.ChunkEncoder("completion", "cmpl-1", 5, "m")
+    got = _sse_json(enc.text(text, finish))
+    assert got == msgspec.json.decode(msgspec.json.encode(
+        api.Completion("cmpl-1", "text_completion", 5, "m",
+                       [api.CompletionChoice(0, text, None, finish)])))
+    if finish is not None:  # the SDK types a completion's finish_reason as required; its
+        # stream parser is lenient, as OpenAI's own stream chunks carry null there too
+        assert Completion.model_validate(got).choices[0].text == text
+
+
+def test_other_chunks_parse_with_the_sdk() -> None:
+    enc = sse.ChunkEncoder("chat", "chatcmpl-1", 5, "m")
+    role = ChatCompletionChunk.model_validate(_sse_json(enc.role()))
+    assert role.choices[0].delta.role == "assistant"
+    fin = ChatCompletionChunk.model_validate(_sse_json(enc.finish("stop")))
+    assert fin.choices[0].delta.content is None and fin.choices[0].finish_reason == "stop"
+    usage = ChatCompletionChunk.model_validate(_sse_json(enc.usage(api.usage_info(3, 4))))
+    assert usage.choices == [] and usage.usage is not None and usage.usage.total_tokens == 7
+    comp = sse.ChunkEncoder("completion", "cmpl-1", 5, "m")
+    assert Completion.model_validate(_sse_json(comp.usage(api.usage_info(1, 2)))).usage.total_tokens == 3  # type: ignore[union-attr]
+
+
+def test_full_responses_parse_with_the_sdk() -> None:
+    body = msgspec.json.encode(api.chat_completion("chatcmpl-1", 5, "m", "hi", "length",
+                                                   api.usage_info(3, 2)))
+    cc = ChatCompletion.model_validate_json(body)
+    assert cc.choices[0].message.content == "hi" and cc.usage is not None
+    assert (cc.usage.prompt_tokens, cc.usage.completion_tokens, cc.usage.total_tokens) == (3, 2, 5)
+    body = msgspec.json.encode(api.text_completion("cmpl-1", 5, "m", "hi", "stop",
+                                                   api.usage_info(1, 1)))
+    c = Completion.model_validate_json(body)
+    assert c.object == "text_completion" and c.choices[0].finish_reason == "stop"
