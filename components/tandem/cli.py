@@ -26,6 +26,64 @@ def _port(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router-policy", choices=C.ROUTER_POLICIES, default=C.DEFAULT_ROUTER_POLICY,
+                   help="how the router picks a worker within a role: least-loaded, round-robin, "
+                        "or prefix (the worker that last served the longest shared prompt "
+                        f"prefix) (default: {C.DEFAULT_ROUTER_POLICY})")
+    p.add_argument("--max-inflight-per-worker", type=_non_negative_int,
+                   default=C.MAX_INFLIGHT_PER_WORKER,
+                   help="most requests the router keeps on one worker; more wait in the router's "
+                        f"queue (0 = unlimited) (default: {C.MAX_INFLIGHT_PER_WORKER})")
+    p.add_argument("--max-pending-prefill-tokens-per-worker", type=_non_negative_int,
+                   default=C.MAX_PENDING_PREFILL_TOKENS_PER_WORKER,
+                   help="most prompt tokens waiting for their prefill on one worker (0 = "
+                        f"unlimited) (default: {C.MAX_PENDING_PREFILL_TOKENS_PER_WORKER})")
+    p.add_argument("--max-queue", type=_non_negative_int, default=C.MAX_QUEUE,
+                   help="most requests waiting in the router for a worker; past it requests get "
+                        f"503 at once (default: {C.MAX_QUEUE})")
+    p.add_argument("--queue-timeout", type=_positive_float, default=C.QUEUE_TIMEOUT_S,
+                   help="seconds a request may wait in the router's queue before it gets 503 "
+                        f"(default: {C.QUEUE_TIMEOUT_S:g})")
+
+
+def router_config(args: argparse.Namespace) -> C.RouterConfig:
+    return C.RouterConfig(
+        policy=args.router_policy, max_inflight_per_worker=args.max_inflight_per_worker,
+        max_pending_prefill_tokens_per_worker=args.max_pending_prefill_tokens_per_worker,
+        max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+    )
+
+
+def router_flags(args: argparse.Namespace) -> list[str]:
+    """The router flags as `tandem frontend` takes them (for `tandem up`)."""
+    return ["--router-policy", args.router_policy,
+            "--max-inflight-per-worker", str(args.max_inflight_per_worker),
+            "--max-pending-prefill-tokens-per-worker",
+            str(args.max_pending_prefill_tokens_per_worker),
+            "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout)]
+
+
 def _model_dir(text: str) -> str:
     if not os.path.isfile(os.path.join(text, "config.json")):
         raise argparse.ArgumentTypeError(
@@ -52,6 +110,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "default) or only new ones (default: cumulative)")
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="mock engine only: a fixed delay per engine step (default: 0)")
+    p.add_argument("--mock-prefill-us-per-token", type=float,
+                   default=C.MOCK_PREFILL_US_PER_TOKEN,
+                   help="mock engine only: prefill cost in µs per prompt token admitted in a step "
+                        f"(default: {C.MOCK_PREFILL_US_PER_TOKEN:g})")
+    p.add_argument("--mock-decode-step-us", type=float, default=C.MOCK_DECODE_STEP_US,
+                   help="mock engine only: fixed cost in µs of a decode step "
+                        f"(default: {C.MOCK_DECODE_STEP_US:g})")
+    p.add_argument("--mock-decode-us-per-seq", type=float,
+                   default=C.MOCK_DECODE_US_PER_SEQ,
+                   help="mock engine only: decode step cost in µs per running sequence "
+                        f"(default: {C.MOCK_DECODE_US_PER_SEQ:g})")
     p.add_argument("--kv-transfer-timeout", type=float, default=C.KV_TRANSFER_TIMEOUT_S,
                    help="PD: seconds one KV transfer may take before it fails "
                         f"(default: {C.KV_TRANSFER_TIMEOUT_S:.0f})")
@@ -111,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="send streamed tokens every N tokens (first token at once; requests may "
                         "override with `stream_interval`) (default: 1)")
+    _add_router_flags(f)
 
     u = sub.add_parser("up", parents=[common], help="start a frontend and workers on this machine (loopback), wait "
                                   "until ready, and stop them all on Ctrl-C or SIGTERM")
@@ -132,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--demo", action="store_true",
                    help="once ready, stream one chat completion to the terminal, then keep serving")
     _add_engine_flags(u)
+    _add_router_flags(u)
     return parser
 
 
@@ -143,6 +214,9 @@ def worker_config(args: argparse.Namespace) -> C.WorkerConfig:
         name=args.name, bootstrap_port=args.bootstrap_port or 0,
         kv_transfer_timeout_s=args.kv_transfer_timeout, kv_room_timeout_s=args.kv_room_timeout,
         kv_done_timeout_s=args.kv_done_timeout, kv_bytes_per_s=args.kv_bytes_per_s,
+        mock_prefill_us_per_token=args.mock_prefill_us_per_token,
+        mock_decode_step_us=args.mock_decode_step_us,
+        mock_decode_us_per_seq=args.mock_decode_us_per_seq,
     )
 
 
@@ -178,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         run_frontend(C.FrontendConfig(
             model=args.model, served_model_name=args.served_model_name, workers=workers,
             host=args.host, port=args.port, stream_interval=args.stream_interval,
+            router=router_config(args),
         ))
         return 0
     if args.command == "up":

@@ -15,6 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
+from tandem.cli import router_flags
+
 STOP_TIMEOUT_S = 15.0
 
 
@@ -33,7 +35,10 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--kv-transfer-timeout", str(args.kv_transfer_timeout),
               "--kv-room-timeout", str(args.kv_room_timeout),
               "--kv-done-timeout", str(args.kv_done_timeout),
-              "--kv-bytes-per-s", str(args.kv_bytes_per_s)]
+              "--kv-bytes-per-s", str(args.kv_bytes_per_s),
+              "--mock-prefill-us-per-token", str(args.mock_prefill_us_per_token),
+              "--mock-decode-step-us", str(args.mock_decode_step_us),
+              "--mock-decode-us-per-seq", str(args.mock_decode_us_per_seq)]
     return flags
 
 
@@ -129,7 +134,8 @@ def run_up(args: argparse.Namespace) -> int:
                                              *_engine_flags(args)])
     cluster.spawn("frontend", ["frontend", "--model", args.model, "--workers", ",".join(addrs),
                                "--host", host, "--port", str(args.port),
-                               "--stream-interval", str(args.stream_interval)])
+                               "--stream-interval", str(args.stream_interval),
+                               *router_flags(args)])
     url = f"http://{host}:{args.port}"
     try:
         if not wait_ready(url, cluster, args.ready_timeout):

@@ -154,8 +154,15 @@ async def test_completions_streamed_and_not(pre: Preprocessor) -> None:
      "max_tokens"),
     (COMPLETIONS, b'{"prompt": [' + b",".join([b"1"] * 256) + b"]}", 400, "prompt"),
     (COMPLETIONS, b'{"prompt": [999999]}', 400, "prompt"),
-    (COMPLETIONS, b'{"prompt": "x", "n": 3}', 400, "n"),
-    (COMPLETIONS, b'{"prompt": ["a", "b"]}', 400, "prompt"),
+    (COMPLETIONS, b'{"prompt": "x", "n": 65}', 400, "n"),
+    (COMPLETIONS, b'{"prompt": "x", "n": 0}', 400, "n"),
+    (COMPLETIONS, b'{"prompt": ["a", "b"], "n": 200}', 400, "n"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_interval": 0}', 400,
+     "stream_interval"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_interval": -3}', 400,
+     "stream_interval"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_interval": 2.5}', 400,
+     "stream_interval"),
 ])
 async def test_bad_requests_get_status_and_openai_body(pre: Preprocessor, path: str, body: bytes,
                                                        status: int, param: str | None) -> None:

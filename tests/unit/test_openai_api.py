@@ -68,7 +68,8 @@ def test_unknown_model_is_404_in_openai_words() -> None:
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
@@ -97,15 +98,19 @@ def test_chat_messages_become_template_dicts() -> None:
 
 
 @pytest.mark.parametrize("prompt, want", [
-    ("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"), ([[4, 5]], [4, 5]),
+    ("hello", ["hello"]), ([1, 2, 3], [[1, 2, 3]]), (["hello"], ["hello"]), ([[4, 5]], [[4, 5]]),
+    (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
 ])
-def test_one_prompt_in_any_form(prompt: object, want: object) -> None:
+def test_prompts_in_any_form(prompt: object, want: object) -> None:
     assert api.validate_completion(completion(prompt=prompt)) == want
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt[1]"),
+    ({"prompt": [[1], [-2]]}, "prompt[1]"),
+    ({"prompt": ["a"] * 5, "n": 64}, "n"),
+    ({"n": 65}, "n"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),

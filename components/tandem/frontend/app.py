@@ -8,7 +8,8 @@ headers wait for the first delta, so an error before the first token still gets 
 (Unavailable with `Retry-After`). After that, errors become a `data: {"error": ...}` event, then
 `data: [DONE]`. Each request runs in a task of its own beside a watcher of `http.disconnect`; a
 client that goes away (seen by the watcher, or by a failed write) makes the request leave its
-`RequestStream` context at once, which aborts it on the worker and frees its pages.
+`RequestStream` context at once, which aborts it on the worker and frees its pages. A request with
+several choices (prompts and/or n > 1) runs in tandem.frontend.choices.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any
 import msgspec
 
 from tandem.frontend import openai_api as api
-from tandem.frontend.generate import (ClientGone, Exchange, FrontendMetrics, GenerationJob, Pool,
-                                      run_generation)
+from tandem.frontend.choices import run_choices
+from tandem.frontend.generate import (ChoiceSpec, ClientGone, Exchange, FrontendMetrics,
+                                      GenerationJob, Pool, run_generation)
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.runtime.config import FrontendConfig
@@ -113,7 +115,13 @@ class FrontendApp:
             return
         m.in_flight.inc()
         try:
-            await _watched(receive, ex, run_generation(self.pool, job, ex, m), self._work)
+            run = run_choices if job.choices else run_generation
+            await _watched(receive, ex, run(self.pool, job, ex, m), self._work)
+        except errors.TandemError as e:  # refused on entering the stream (router queue full...)
+            if ex.started:
+                raise
+            m.errors.labels(e.type).inc()
+            await ex.error(e)
         finally:
             m.in_flight.dec()
             m.requests.labels(endpoint, str(ex.status) if ex.status else "499").inc()
@@ -147,24 +155,33 @@ class FrontendApp:
             max_tokens = api.chat_max_tokens(req)
             default_max: int | None = None  # vLLM: the rest of the context
             info = self._info()
-            prompt_ids = pre.encode_chat(messages, req.tools, req.chat_template_kwargs)
+            prompts = [pre.encode_chat(messages, req.tools, req.chat_template_kwargs)]
         else:
             req = api.decode_request(body, api.CompletionRequest)
             api.check_model(req, self.model_name)
-            prompt = api.validate_completion(req)
+            texts = api.validate_completion(req)
             max_tokens = req.max_tokens
             default_max = self.config.default_max_tokens
             info = self._info()
-            prompt_ids = pre.encode_prompt(prompt)
-        sampling = api.sampling_params(req, max_tokens, len(prompt_ids), info.max_context,
-                                       default_max)
+            prompts = [pre.encode_prompt(p) for p in texts]
+        stops = api.stops_of(req)
+        choices: list[ChoiceSpec] = []
+        for p, prompt_ids in enumerate(prompts):
+            sampling = api.sampling_params(req, max_tokens, len(prompt_ids), info.max_context,
+                                           default_max)
+            for i in range(req.n):
+                sp = sampling if i == 0 or sampling.seed is None else \
+                    msgspec.structs.replace(sampling, seed=sampling.seed + i)
+                detok = pre.detokenizers.new(stops, prompt_ids)
+                choices.append(ChoiceSpec(p, prompt_ids, sp, detok))
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        first = choices[0]
         return GenerationJob(
             kind="chat" if kind == "chat" else "completion", model=self.model_name,
             stream=req.stream, include_usage=include_usage,
             interval=req.stream_interval or self.config.stream_interval,
-            prompt_ids=prompt_ids, sampling=sampling,
-            detokenizer=pre.detokenizers.new(api.stops_of(req), prompt_ids), t0=t0)
+            prompt_ids=first.prompt_ids, sampling=first.sampling, detokenizer=first.detokenizer,
+            t0=t0, choices=choices if len(choices) > 1 else [])
 
     def _info(self) -> WorkerInfo:
         info = self.pool.info

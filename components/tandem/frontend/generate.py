@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -142,8 +142,21 @@ class FrontendMetrics:
 
 
 @dataclass(slots=True)
+class ChoiceSpec:
+    """One choice of a request with several (tandem.frontend.choices): its own prompt (a
+    completions request may carry several), sampling (its own seed) and detokenizer."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: Detokenizer
+
+
+@dataclass(slots=True)
 class GenerationJob:
-    """A validated, tokenized request, ready for the pool."""
+    """A validated, tokenized request, ready for the pool. `choices` is empty for a request with
+    one choice (described by `prompt_ids`, `sampling`, `detokenizer`), else lists every choice in
+    `index` order."""
 
     kind: Literal["chat", "completion"]
     model: str
@@ -154,6 +167,7 @@ class GenerationJob:
     sampling: SamplingParams
     detokenizer: Detokenizer
     t0: float  # time.monotonic() at arrival
+    choices: list[ChoiceSpec] = field(default_factory=list)
 
 
 _NO_RESULT = "The worker ended the request without a finish reason."

@@ -15,7 +15,7 @@ def run_frontend(cfg: FrontendConfig) -> None:
 
 
 async def _main(cfg: FrontendConfig, stop: asyncio.Event) -> None:
-    pool = WorkerPool(cfg.workers)
+    pool = WorkerPool(cfg.workers, router=cfg.router)
     try:
         # Serve at once; workers that are not up yet join when they answer the handshake.
         await pool.start(wait_s=HELLO_TIMEOUT_S if not stop.is_set() else 0)

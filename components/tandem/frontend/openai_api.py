@@ -6,6 +6,10 @@ Context length follows vLLM: a prompt of `max_context` tokens or more is refused
 `prompt + max_tokens > max_context`. A chat request without `max_tokens` may use the rest of the
 context (vLLM); a completions request defaults to `FrontendConfig.default_max_tokens` (OpenAI: 16).
 Unknown request fields are ignored, as the OpenAI API does for fields it does not know.
+
+Several choices: `n` is 1..MAX_N; a completions request may carry up to MAX_PROMPTS prompts, and
+`prompts * n` is at most MAX_CHOICES. With a `seed`, choice `i` of a prompt samples with
+`seed + i`, so the n choices differ yet the response is reproducible.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from tandem.runtime import errors
 from tandem.runtime.protocol import SamplingParams
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_N = 64
+MAX_PROMPTS = 64
+MAX_CHOICES = 256
 
 # --- requests -------------------------------------------------------------------------------------
 
@@ -105,10 +112,8 @@ def check_model(req: _GenerateRequest, served_model: str) -> None:
 
 
 def _check_common(req: _GenerateRequest, max_tokens: int | None, max_tokens_param: str) -> None:
-    if req.n != 1:
-        if req.n < 1:
-            raise errors.BadRequest(f"n must be at least 1, got {req.n}.", param="n")
-        raise errors.BadRequest("n > 1 is not supported yet.", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise errors.BadRequest(f"n must be between 1 and {MAX_N}, got {req.n}.", param="n")
     if max_tokens is not None and max_tokens < 1:
         raise errors.BadRequest(f"{max_tokens_param} must be at least 1, got {max_tokens}.",
                                 param=max_tokens_param)
@@ -197,8 +202,8 @@ def validate_chat(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def validate_completion(req: CompletionRequest) -> str | list[int]:
-    """Check a completions request; return its one prompt, as text or as token ids."""
+def validate_completion(req: CompletionRequest) -> list[str | list[int]]:
+    """Check a completions request; return its prompts (one or more), each text or token ids."""
     _check_common(req, req.max_tokens, "max_tokens")
     if req.logprobs:
         raise errors.BadRequest("logprobs are not supported yet.", param="logprobs")
@@ -210,20 +215,30 @@ def validate_completion(req: CompletionRequest) -> str | list[int]:
         raise errors.BadRequest("suffix is not supported yet.", param="suffix")
     prompt = req.prompt
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if not prompt:
         raise errors.BadRequest("prompt must not be empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        ids = [p for p in prompt if isinstance(p, int)]
-        return _check_ids(ids, "prompt")
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-        if len(prompt) > 1:
-            raise errors.BadRequest("Several prompts in one request are not supported yet.",
-                                    param="prompt")
-        one = prompt[0]
-        return one if isinstance(one, str) else _check_ids(list(one), "prompt[0]")  # type: ignore[arg-type]
-    raise errors.BadRequest("prompt must be a string, a list of token ids, or a list of either.",
-                            param="prompt")
+        return [_check_ids([p for p in prompt if isinstance(p, int)], "prompt")]
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise errors.BadRequest("prompt must be a string, a list of token ids, or a list of "
+                                "either.", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise errors.BadRequest(f"At most {MAX_PROMPTS} prompts per request, got {len(prompt)}.",
+                                param="prompt")
+    if len(prompt) * req.n > MAX_CHOICES:
+        raise errors.BadRequest(f"prompts * n must be at most {MAX_CHOICES}, got "
+                                f"{len(prompt)} * {req.n}.", param="n")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            if not p:
+                raise errors.BadRequest(f"prompt[{i}] must not be empty.", param=f"prompt[{i}]")
+            out.append(_check_ids(p, f"prompt[{i}]"))
+        else:
+            assert isinstance(p, str)
+            out.append(p)
+    return out
 
 
 def _check_ids(ids: list[int], param: str) -> list[int]:
@@ -366,3 +381,18 @@ def text_completion(rid: str, created: int, model: str, text: str, finish: str |
                     usage: UsageInfo | None) -> Completion:
     return Completion(rid, "text_completion", created, model,
                       [CompletionChoice(0, text, None, finish)], usage)
+
+
+def chat_completion_choices(rid: str, created: int, model: str,
+                            outs: list[tuple[str, str | None]], usage: UsageInfo) -> ChatCompletion:
+    """Several choices, `outs[index] = (text, finish_reason)`."""
+    return ChatCompletion(rid, "chat.completion", created, model,
+                          [ChatChoice(i, ResponseMessage("assistant", text), None, fin)
+                           for i, (text, fin) in enumerate(outs)], usage)
+
+
+def text_completion_choices(rid: str, created: int, model: str,
+                            outs: list[tuple[str, str | None]], usage: UsageInfo) -> Completion:
+    return Completion(rid, "text_completion", created, model,
+                      [CompletionChoice(i, text, None, fin) for i, (text, fin) in enumerate(outs)],
+                      usage)

@@ -36,16 +36,18 @@ def event(obj: Any) -> bytes:
 class ChunkEncoder:
     """Encodes one request's streamed chunks (`chat.completion.chunk` or `text_completion`)."""
 
-    __slots__ = ("kind", "rid", "created", "model", "_head", "_mid")
+    __slots__ = ("kind", "rid", "created", "model", "index", "_head", "_mid")
 
-    def __init__(self, kind: Kind, rid: str, created: int, model: str):
+    def __init__(self, kind: Kind, rid: str, created: int, model: str, index: int = 0):
         self.kind = kind
+        self.index = index
         self.rid = rid
         self.created = created
         self.model = model
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         head = (b'data: {"id":' + _encode(rid) + b',"object":"' + obj.encode() + b'","created":'
-                + str(created).encode() + b',"model":' + _encode(model) + b',"choices":[{"index":0,')
+                + str(created).encode() + b',"model":' + _encode(model) + b',"choices":[{"index":'
+                + str(index).encode() + b",")
         if kind == "chat":
             self._head = head + b'"delta":{"content":'
             self._mid = b'},"logprobs":null,"finish_reason":'
@@ -64,7 +66,8 @@ class ChunkEncoder:
         """The chat stream's first chunk: the assistant role and empty content."""
         return event(api.ChatCompletionChunk(
             self.rid, "chat.completion.chunk", self.created, self.model,
-            [api.ChatChunkChoice(0, api.ChatDelta(role="assistant", content=""), None, None)]))
+            [api.ChatChunkChoice(self.index, api.ChatDelta(role="assistant", content=""), None,
+                                 None)]))
 
     def finish(self, finish: str) -> bytes:
         """A last chunk with no new text: chat sends an empty delta, as OpenAI does."""
@@ -72,7 +75,7 @@ class ChunkEncoder:
             return self.text("", finish)
         return event(api.ChatCompletionChunk(
             self.rid, "chat.completion.chunk", self.created, self.model,
-            [api.ChatChunkChoice(0, api.ChatDelta(), None, finish)]))
+            [api.ChatChunkChoice(self.index, api.ChatDelta(), None, finish)]))
 
     def usage(self, usage: api.UsageInfo) -> bytes:
         """The `stream_options.include_usage` chunk: empty choices, the request's usage."""

@@ -4,6 +4,12 @@ The client owns a DEALER socket, a receive task that routes each incoming delta 
 stream, and a heartbeat task: a Hello until the worker answers, then a LoadQuery every interval.
 A worker silent past the heartbeat deadline is marked down and every request on it fails with
 WorkerLost; it comes back up when it answers again.
+
+Backpressure accounting (DESIGN §3), kept here because this is where requests start, deltas
+arrive and requests end: `pending_prefill_tokens` are prompt tokens sent to a prefill or agg worker
+whose first delta has not come back; `active_decode_tokens` are prompt plus generated tokens of the
+requests decoding on an agg or decode worker. `on_capacity` is called whenever capacity may have
+freed (a request ended, a prefill finished, a load report came, the worker came up).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import zmq
 import zmq.utils.monitor
@@ -35,6 +42,11 @@ from tandem.runtime.protocol import (
 
 log = logging.getLogger("tandem.router")
 
+
+def _nothing() -> None:
+    pass
+
+
 _STATUS_ERRORS: dict[int, type[errors.TandemError]] = {
     400: errors.BadRequest,
     503: errors.Unavailable,
@@ -49,7 +61,7 @@ class RequestStream:
     """
 
     __slots__ = ("rid", "_client", "_msg", "_items", "_wake", "received", "finished", "_opened",
-                 "_over")
+                 "_over", "prefill_tokens", "decode_tokens")
 
     def __init__(self, client: WorkerClient, msg: Generate) -> None:
         self.rid = msg.rid
@@ -61,15 +73,27 @@ class RequestStream:
         self.finished = False  # the worker sent the final delta: nothing to abort
         self._opened = False
         self._over = False  # iteration has ended (finished or failed)
+        self.prefill_tokens = 0  # counted in the client's pending_prefill_tokens
+        self.decode_tokens = 0  # counted in the client's active_decode_tokens
 
-    async def __aenter__(self) -> RequestStream:
+    def start(self) -> None:
+        """Send the request to the worker (synchronous, so the router can place it in one step)."""
         self._client.start_request(self)
         self._opened = True
+
+    def release(self) -> None:
+        """Leave the worker: abort the request there unless it finished. Safe twice."""
+        if self._opened:
+            self._opened = False
+            self._client.end_request(self, abort=not self.finished)
+
+    async def __aenter__(self) -> RequestStream:
+        if not self._opened:
+            self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._opened:
-            self._client.end_request(self, abort=not self.finished)
+        self.release()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -112,6 +136,9 @@ class WorkerClient:
         self.error = ""
         self.load = Load()
         self.in_flight: dict[str, RequestStream] = {}
+        self.pending_prefill_tokens = 0
+        self.active_decode_tokens = 0
+        self.on_capacity: Callable[[], None] = _nothing
         self.protocol_errors = 0
         self.last_seen = 0.0
         self._sock: zmq.asyncio.Socket | None = None
@@ -123,6 +150,10 @@ class WorkerClient:
     @property
     def usable(self) -> bool:
         return self.state == "up"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
 
     async def start(self) -> None:
         self._sock = transport.dealer(self.address, self.frontend_id)
@@ -147,13 +178,28 @@ class WorkerClient:
     def start_request(self, stream: RequestStream) -> None:
         if not self.usable:
             raise errors.Unavailable(f"worker {self.address} is {self.state}", retry_after=1.0)
-        self.in_flight[stream.rid] = stream
         self._send(stream._msg)
+        self.in_flight[stream.rid] = stream
+        n = len(stream._msg.prompt_ids)
+        role = self.info.role if self.info is not None else "agg"
+        if role != "decode":
+            stream.prefill_tokens = n
+            self.pending_prefill_tokens += n
+        if role != "prefill":
+            stream.decode_tokens = n
+            self.active_decode_tokens += n
 
     def end_request(self, stream: RequestStream, abort: bool) -> None:
         self.in_flight.pop(stream.rid, None)
+        self._settle(stream)
         if abort and self.state == "up":
-            self._send(Abort([stream.rid]))
+            self._send_quietly(Abort([stream.rid]))
+        self.on_capacity()
+
+    def _settle(self, stream: RequestStream) -> None:
+        self.pending_prefill_tokens -= stream.prefill_tokens
+        self.active_decode_tokens -= stream.decode_tokens
+        stream.prefill_tokens = stream.decode_tokens = 0
 
     async def query_load(self) -> Load:
         """Ask the worker for its load now (deadline LOAD_QUERY_TIMEOUT_S); last known on timeout."""
@@ -181,7 +227,9 @@ class WorkerClient:
     def _fail_all(self, err: errors.TandemError) -> None:
         streams, self.in_flight = self.in_flight, {}
         for s in streams.values():
+            self._settle(s)
             s.push(err)
+        self.on_capacity()
 
     def _mark_down(self, why: str) -> None:
         if self.state == "up":
@@ -234,20 +282,35 @@ class WorkerClient:
                 continue
             self.last_seen = time.monotonic()
             if isinstance(msg, Deltas):
-                if msg.load is not None:
-                    self.load = msg.load
-                streams = self.in_flight
-                for d in msg.items:
-                    s = streams.get(d.rid)
-                    if s is not None:
-                        s.push(d)
+                self.on_deltas(msg)
             elif isinstance(msg, LoadReport):
-                self.load = msg.load
-                fut = self._queries.get(msg.seq)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.load)
+                self.on_load(msg)
             elif isinstance(msg, HelloReply):
                 self._on_hello(msg)
+
+    def on_deltas(self, msg: Deltas) -> None:
+        """Route each delta to its stream and account for it (the one loop over a step's deltas)."""
+        if msg.load is not None:
+            self.load = msg.load
+        streams = self.in_flight
+        for d in msg.items:
+            s = streams.get(d.rid)
+            if s is not None:
+                s.push(d)
+                if s.prefill_tokens:  # its first delta: the prefill is done
+                    self.pending_prefill_tokens -= s.prefill_tokens
+                    s.prefill_tokens = 0
+                if s.decode_tokens:
+                    s.decode_tokens += len(d.token_ids)
+                    self.active_decode_tokens += len(d.token_ids)
+        self.on_capacity()
+
+    def on_load(self, msg: LoadReport) -> None:
+        self.load = msg.load
+        fut = self._queries.get(msg.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.load)
+        self.on_capacity()
 
     def _on_hello(self, msg: HelloReply) -> None:
         if not msg.ok or msg.info is None:
@@ -259,3 +322,4 @@ class WorkerClient:
         self.info = msg.info
         self.state = "up"
         self._up.set()
+        self.on_capacity()

@@ -34,13 +34,23 @@ class PDStream:
     def finished(self) -> bool:
         return self.decode.finished
 
-    async def __aenter__(self) -> PDStream:
-        await self.decode.__aenter__()
+    def start(self) -> None:
+        """Send the request to D, then P (synchronous, so the router can place it in one step)."""
+        self.decode.start()
         try:
-            await self.prefill.__aenter__()
+            self.prefill.start()
         except BaseException:
-            await self.decode.__aexit__(None, None, None)
+            self.decode.release()
             raise
+
+    def release(self) -> None:
+        """Undo `start` before the stream was entered (its client went away while placed)."""
+        self.decode.release()
+        self.prefill.release()
+
+    async def __aenter__(self) -> PDStream:
+        if not self.decode._opened:
+            self.start()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_prefill())
         return self
 

@@ -17,7 +17,21 @@ DRAIN_TIMEOUT_S = 10.0  # on SIGTERM, in-flight requests get this long to finish
 KV_TRANSFER_TIMEOUT_S = 30.0  # one NIXL write of a request's pages, from start to all bytes in place
 KV_ROOM_TIMEOUT_S = 60.0  # prefill side: how long a request waits for its decode side's pages
 KV_DONE_TIMEOUT_S = 120.0  # decode side: how long a request waits for its KV (queue+prefill+write)
+# Mock engine timing model (all zero = overhead runs): a prefill costs this per prompt token
+# admitted in a step; a decode step costs a fixed part plus a part per running sequence.
+MOCK_PREFILL_US_PER_TOKEN = 0.0
+MOCK_DECODE_STEP_US = 0.0
+MOCK_DECODE_US_PER_SEQ = 0.0
 ZMQ_HWM = 100_000  # messages; deltas are batched per step so this is generous
+# Router admission (DESIGN §3 "Backpressure accounting"). 0 = unlimited for the per-worker limits.
+ROUTER_POLICIES = ("least-loaded", "round-robin", "prefix")
+DEFAULT_ROUTER_POLICY = "least-loaded"
+MAX_INFLIGHT_PER_WORKER = 4096  # requests the router keeps on one worker at once
+MAX_PENDING_PREFILL_TOKENS_PER_WORKER = 0  # prompt tokens sent to a worker, first delta not back
+MAX_QUEUE = 4096  # requests waiting in the router for a worker; past this: 503 at once
+QUEUE_TIMEOUT_S = 30.0  # a queued request still without a worker after this long: 503
+RETRY_AFTER_S = 1.0  # what a 503 from the router tells the client to wait
+PREFIX_CACHE_BLOCKS = 65_536  # prefix policy: block hashes remembered (LRU), per role
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,19 @@ class WorkerConfig:
     kv_room_timeout_s: float = KV_ROOM_TIMEOUT_S
     kv_done_timeout_s: float = KV_DONE_TIMEOUT_S
     kv_bytes_per_s: float = 0.0  # mock engine only: simulated transfer rate (0 = instant)
+    mock_prefill_us_per_token: float = MOCK_PREFILL_US_PER_TOKEN  # mock engine only
+    mock_decode_step_us: float = MOCK_DECODE_STEP_US  # mock engine only
+    mock_decode_us_per_seq: float = MOCK_DECODE_US_PER_SEQ  # mock engine only
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = DEFAULT_ROUTER_POLICY
+    max_inflight_per_worker: int = MAX_INFLIGHT_PER_WORKER
+    max_pending_prefill_tokens_per_worker: int = MAX_PENDING_PREFILL_TOKENS_PER_WORKER
+    max_queue: int = MAX_QUEUE
+    queue_timeout_s: float = QUEUE_TIMEOUT_S
+    prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +77,4 @@ class FrontendConfig:
     port: int = DEFAULT_HTTP_PORT
     stream_interval: int = 1
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    router: RouterConfig = RouterConfig()

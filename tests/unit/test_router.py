@@ -1,0 +1,269 @@
+"""The router without sockets: policies (round-robin order, least-loaded, prefix affinity by block
+hash), backpressure accounting, and the admission queue (bounded, deadline, FIFO wake-up, a
+cancelled waiter leaves)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.router.client import WorkerClient
+from tandem.router.pd import PDStream
+from tandem.router.policy import block_hashes
+from tandem.router.pool import RoutedStream, WorkerPool
+from tandem.runtime import errors
+from tandem.runtime.config import RouterConfig
+from tandem.runtime.protocol import Abort, Delta, Deltas, Generate, Load, LoadReport, Usage
+from tandem.runtime.protocol import SamplingParams, WorkerInfo
+
+PAGE = 4
+SP = SamplingParams(max_tokens=4)
+
+
+def make_pool(roles: list[str], pages: int = 100, **router: object) -> WorkerPool:
+    """Real WorkerClients marked up, with `_send` recording messages instead of a socket."""
+    pool = WorkerPool([f"tcp://w{i}" for i in range(len(roles))],
+                      router=RouterConfig(**router))  # type: ignore[arg-type]
+    for i, (c, role) in enumerate(zip(pool.clients, roles)):
+        c.state = "up"
+        c.info = WorkerInfo(f"w{i}", role, "mock", "m", PAGE, pages, 4096,  # type: ignore[arg-type]
+                            bootstrap_addr="127.0.0.1:9" if role == "prefill" else "")
+        c.load = Load(pages_free=pages, pages_total=pages)
+        c.sent = []  # type: ignore[attr-defined]
+        c._send = c.sent.append  # type: ignore[method-assign,attr-defined]
+    return pool
+
+
+def worker_of(s: RoutedStream) -> str:
+    placed = s.placed
+    assert placed is not None and not isinstance(placed, PDStream)
+    return placed._client.address
+
+
+def finish(c: WorkerClient, rid: str, offset: int = 0) -> None:
+    c.on_deltas(Deltas([Delta(rid, offset, [7], "length", Usage(1, offset + 1))]))
+
+
+async def enter(pool: WorkerPool, ids: list[int]) -> RoutedStream:
+    s = pool.open(ids, SP)
+    await asyncio.wait_for(s.__aenter__(), 2)
+    return s
+
+
+# --- policies -------------------------------------------------------------------------------------
+async def test_round_robin_cycles_in_worker_order():
+    pool = make_pool(["agg"] * 3, policy="round-robin")
+    got = [worker_of(await enter(pool, [1, 2, 3])) for _ in range(7)]
+    assert got == ["tcp://w0", "tcp://w1", "tcp://w2"] * 2 + ["tcp://w0"]
+
+
+async def test_round_robin_skips_a_full_worker():
+    pool = make_pool(["agg"] * 3, policy="round-robin", max_inflight_per_worker=1)
+    a = await enter(pool, [1])
+    b = await enter(pool, [1])
+    assert (worker_of(a), worker_of(b)) == ("tcp://w0", "tcp://w1")
+    await a.__aexit__(None, None, None)  # w0 has room again; w2 is next in order
+    assert worker_of(await enter(pool, [1])) == "tcp://w2"
+    assert worker_of(await enter(pool, [1])) == "tcp://w0"
+
+
+async def test_least_loaded_prefers_fewest_in_flight_then_fewest_tokens():
+    pool = make_pool(["agg"] * 2)
+    w0, w1 = pool.clients
+    a = await enter(pool, list(range(40)))
+    assert worker_of(a) == "tcp://w0"
+    assert worker_of(await enter(pool, [1])) == "tcp://w1"  # w0 has one in flight
+    # one each now; w0 holds 40 prompt tokens, w1 one: w1 again
+    assert worker_of(await enter(pool, [1])) == "tcp://w1"
+    assert w0.pending_prefill_tokens == 40 and w1.pending_prefill_tokens == 2
+
+
+def test_block_hashes_chain_over_full_pages():
+    a = block_hashes(list(range(12)), PAGE)
+    b = block_hashes(list(range(8)) + [99, 98, 97, 96, 5], PAGE)
+    assert len(a) == 3 and len(b) == 3
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert block_hashes([1, 2, 3], PAGE) == []
+    # the same block after a different prefix hashes differently
+    assert block_hashes([9, 9, 9, 9, 0, 1, 2, 3], PAGE)[1] != block_hashes([0, 1, 2, 3], PAGE)[0]
+
+
+async def test_prefix_prefers_the_worker_with_the_longest_shared_prefix():
+    pool = make_pool(["agg"] * 3, policy="prefix")
+    doc = list(range(100, 132))  # 8 pages
+    first = await enter(pool, doc + [1, 2])
+    assert worker_of(first) == "tcp://w0"
+    other = await enter(pool, list(range(500, 520)))  # no match: least loaded
+    assert worker_of(other) == "tcp://w1"
+    # shares 8 pages with the first: goes to w0 though w0 is busier than w2
+    assert worker_of(await enter(pool, doc + [3, 4, 5])) == "tcp://w0"
+    # shares pages with `other` only: w1
+    assert worker_of(await enter(pool, list(range(500, 512)) + [0] * 8)) == "tcp://w1"
+    # no full page in common: least loaded (w2)
+    assert worker_of(await enter(pool, [100, 101, 102])) == "tcp://w2"
+
+
+async def test_prefix_falls_back_to_least_loaded_when_the_match_is_full():
+    pool = make_pool(["agg"] * 2, policy="prefix", max_inflight_per_worker=1)
+    doc = list(range(64))
+    assert worker_of(await enter(pool, doc)) == "tcp://w0"
+    assert worker_of(await enter(pool, doc)) == "tcp://w1"  # w0 is full
+
+
+async def test_prefix_map_is_bounded():
+    pool = make_pool(["agg"], policy="prefix")
+    pool.policy.max_blocks = 5  # type: ignore[attr-defined]
+    for i in range(4):
+        await enter(pool, list(range(i * 100, i * 100 + 16)))
+    assert len(pool.policy._owner["agg"]) == 5  # type: ignore[attr-defined]
+
+
+async def test_pd_picks_prefill_and_decode_each_within_its_role():
+    pool = make_pool(["prefill", "prefill", "decode", "decode"], policy="round-robin")
+    pairs = []
+    for _ in range(3):
+        s = await enter(pool, list(range(10)))
+        assert isinstance(s.placed, PDStream)
+        pairs.append((s.placed.prefill._client.address, s.placed.decode._client.address))
+        await s.__aexit__(None, None, None)
+    assert pairs == [("tcp://w0", "tcp://w2"), ("tcp://w1", "tcp://w3"), ("tcp://w0", "tcp://w2")]
+
+
+# --- accounting -----------------------------------------------------------------------------------
+async def test_accounting_follows_a_request_from_start_to_end():
+    pool = make_pool(["agg"])
+    c = pool.clients[0]
+    s = await enter(pool, list(range(10)))
+    assert (c.pending_prefill_tokens, c.active_decode_tokens, c.num_in_flight) == (10, 10, 1)
+    c.on_deltas(Deltas([Delta(s.rid, 0, [1, 2])]))
+    assert (c.pending_prefill_tokens, c.active_decode_tokens) == (0, 12)
+    finish(c, s.rid, 2)
+    got = [d.token_ids async for d in s]
+    assert got == [[1, 2], [7]]
+    await s.__aexit__(None, None, None)
+    assert (c.pending_prefill_tokens, c.active_decode_tokens, c.num_in_flight) == (0, 0, 0)
+    assert not any(isinstance(m, Abort) for m in c.sent)  # type: ignore[attr-defined]
+    snap = (await pool.snapshot())[0]
+    assert snap["pending_prefill_tokens"] == 0 and snap["active_decode_tokens"] == 0
+    text = pool.metrics()
+    assert 'tandem_worker_active_decode_tokens{worker="tcp://w0"} 0' in text
+    assert 'tandem_worker_pending_prefill_tokens{worker="tcp://w0"} 0' in text
+
+
+async def test_pd_accounting_prefill_on_p_decode_on_d():
+    pool = make_pool(["prefill", "decode"])
+    p, d = pool.clients
+    s = await enter(pool, list(range(8)))
+    assert (p.pending_prefill_tokens, p.active_decode_tokens) == (8, 0)
+    assert (d.pending_prefill_tokens, d.active_decode_tokens) == (0, 8)
+    await s.__aexit__(None, None, None)
+    assert p.num_in_flight == d.num_in_flight == 0
+    assert p.pending_prefill_tokens == d.active_decode_tokens == 0
+
+
+async def test_pending_prefill_token_limit_queues_until_a_first_delta():
+    pool = make_pool(["agg"], max_pending_prefill_tokens_per_worker=20)
+    c = pool.clients[0]
+    a = await enter(pool, list(range(15)))
+    waiting = asyncio.create_task(enter(pool, list(range(10))))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and len(pool._admission) == 1
+    c.on_deltas(Deltas([Delta(a.rid, 0, [1])]))  # a's prefill is done
+    await asyncio.wait_for(waiting, 1)
+    assert c.pending_prefill_tokens == 10
+
+
+async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
+    pool = make_pool(["agg"], pages=10)
+    c = pool.clients[0]
+    c.load = Load(pages_free=2, pages_total=10)
+    waiting = asyncio.create_task(enter(pool, list(range(4 * PAGE))))  # needs 4 pages
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    c.on_load(LoadReport(0, Load(pages_free=6, pages_total=10)))
+    await asyncio.wait_for(waiting, 1)
+    # a prompt bigger than the whole worker is let through: the worker refuses it itself
+    assert worker_of(await enter(pool, list(range(11 * PAGE)))) == "tcp://w0"
+
+
+# --- admission queue ------------------------------------------------------------------------------
+async def test_queue_is_bounded_and_wakes_in_fifo_order():
+    pool = make_pool(["agg"], max_inflight_per_worker=1, max_queue=2, queue_timeout_s=5)
+    c = pool.clients[0]
+    first = await enter(pool, [1])
+    second = asyncio.create_task(enter(pool, [2]))
+    await asyncio.sleep(0)
+    third = asyncio.create_task(enter(pool, [3]))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable) as e:
+        await enter(pool, [4])
+    assert time.monotonic() - t0 < 0.1 and e.value.retry_after and e.value.status == 503
+    assert 'tandem_router_rejected_requests_total{reason="queue_full"} 1' in pool.metrics()
+    assert "tandem_router_queued_requests 2" in pool.metrics()
+    finish(c, first.rid)
+    await first.__aexit__(None, None, None)
+    s2 = await asyncio.wait_for(second, 1)
+    assert not third.done()
+    assert [m.prompt_ids for m in c.sent if isinstance(m, Generate)] == [[1], [2]]  # type: ignore
+    await s2.__aexit__(None, None, None)  # left early: aborted, and the third goes on
+    s3 = await asyncio.wait_for(third, 1)
+    assert s3.placed is not None and len(pool._admission) == 0
+    assert "tandem_router_queue_wait_seconds_count 3" in pool.metrics()
+
+
+async def test_queue_deadline_gives_503_and_leaves_the_queue():
+    pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=0.1)
+    await enter(pool, [1])
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable) as e:
+        await enter(pool, [2])
+    assert 0.09 < time.monotonic() - t0 < 1.0 and e.value.retry_after
+    assert len(pool._admission) == 0
+    assert 'tandem_router_rejected_requests_total{reason="queue_timeout"} 1' in pool.metrics()
+
+
+async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
+    pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
+    c = pool.clients[0]
+    first = await enter(pool, [1])
+    gone = asyncio.create_task(enter(pool, [2]))
+    await asyncio.sleep(0)
+    nxt = asyncio.create_task(enter(pool, [3]))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert len(pool._admission) == 1
+    await first.__aexit__(None, None, None)
+    s = await asyncio.wait_for(nxt, 1)
+    assert s.placed is not None and c.num_in_flight == 1
+    assert [m.prompt_ids for m in c.sent if isinstance(m, Generate)] == [[1], [3]]  # type: ignore
+
+
+async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker():
+    pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
+    c = pool.clients[0]
+    first = await enter(pool, [1])
+    waiter = asyncio.create_task(pool.open([2], SP).__aenter__())
+    await asyncio.sleep(0.01)
+    await first.__aexit__(None, None, None)  # places the waiter (sends its Generate) ...
+    waiter.cancel()  # ... and its client goes away before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert c.num_in_flight == 0 and c.active_decode_tokens == 0
+    assert isinstance(c.sent[-1], Abort)  # type: ignore[attr-defined]
+
+
+async def test_waiters_fail_fast_when_the_last_worker_goes_down():
+    pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
+    await enter(pool, [1])
+    waiter = asyncio.create_task(enter(pool, [2]))
+    await asyncio.sleep(0.01)
+    pool.clients[0]._mark_down("test")
+    with pytest.raises(errors.Unavailable):
+        await asyncio.wait_for(waiter, 1)
+    with pytest.raises(errors.Unavailable):
+        pool.open([3], SP)

@@ -1,0 +1,230 @@
+"""End to end through the real pieces, in one process: engine outputs (cumulative, handed as the
+SAME live list growing as SGLang does, or incremental; chunked at random) -> worker DeltaMaker ->
+Delta messages (optionally through the wire encoding) -> the router's RequestStream of a real
+WorkerPool (offsets checked) -> the HTTP app (detokenizer, stop strings, stream_interval, one or
+several choices) -> the SSE bytes. What the client reassembles must be exactly the engine's output.
+
+Only the worker socket is faked: the client's send is captured, and each delta is pushed into the
+stream the way the client's receive loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.engines.base import EngineOutput
+from tandem.frontend.app import FrontendApp
+from tandem.frontend.preprocess import Preprocessor
+from tandem.router.client import RequestStream
+from tandem.router.pool import WorkerPool
+from tandem.runtime import protocol
+from tandem.runtime.config import FrontendConfig
+from tandem.runtime.protocol import Delta, Deltas, Generate, SamplingParams, WorkerInfo
+from tandem.worker.deltas import DeltaMaker
+from tests.fakes import MULTILINGUAL_CORPUS, write_model_dir
+
+ALPHABET = sorted(set("".join(MULTILINGUAL_CORPUS[:3])))
+
+
+@pytest.fixture(scope="module")
+def pre(tmp_path_factory: pytest.TempPathFactory) -> Preprocessor:
+    return Preprocessor(write_model_dir(tmp_path_factory.mktemp("props") / "tiny"), "tiny")
+
+
+def engine_outputs(ids: list[int], cuts: list[int], cumulative: bool,
+                   lookahead: list[bool]) -> list[tuple[EngineOutput, list[int]]]:
+    """The engine's outputs for `ids` split at `cuts`, the last one finished ("length"). In
+    cumulative mode every output holds the same list, which may already have grown by the next
+    chunk (`lookahead`) by the time the handler reads it — as SGLang's live list does. Each output
+    comes with the list as it must be when the handler reads that output."""
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
+    live: list[int] = []
+    plan: list[tuple[EngineOutput, list[int]]] = []
+    for k in range(len(bounds) - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        fin = "length" if k == len(bounds) - 2 else None
+        if cumulative:
+            ahead = bounds[k + 2] if lookahead[k % len(lookahead)] and k + 2 < len(bounds) else hi
+            plan.append((EngineOutput(live, fin, 3, hi), ids[:ahead]))  # type: ignore[arg-type]
+        else:
+            plan.append((EngineOutput(ids[lo:hi], fin, 3, hi), []))  # type: ignore[arg-type]
+    return plan
+
+
+def worker_deltas(rid: str, plan: list[tuple[EngineOutput, list[int]]], cumulative: bool,
+                  wire: bool) -> list[Delta]:
+    maker = DeltaMaker(rid, "cumulative" if cumulative else "incremental")
+    out: list[Delta] = []
+    for o, live_now in plan:
+        if cumulative:
+            o.output_ids[len(o.output_ids):] = live_now[len(o.output_ids):]  # the list grows
+        d = maker.make(o)
+        if d is not None:
+            out.append(d)
+    if wire:
+        msg = protocol.decode(*protocol.encode(Deltas(out)))
+        assert isinstance(msg, Deltas)
+        out = msg.items
+    return out
+
+
+class Harness:
+    """The frontend's pool: the router's real RequestStream on a real WorkerClient (of a real
+    WorkerPool, whose /metrics text is served) with its socket replaced. `open` returns the
+    stream fed with the deltas `make(rid)` gives, as the client's receive loop would push them."""
+
+    def __init__(self) -> None:
+        self.router = WorkerPool(["tcp://127.0.0.1:9"], "fe-test")
+        c = self.client = self.router.clients[0]
+        c.state = "up"
+        c.info = self.info = WorkerInfo("w0", "agg", "fake", "tiny", 16, 64, 100_000)
+        self.sent: list[Any] = []
+        c._send = self.sent.append  # type: ignore[method-assign]
+        self.streams: list[RequestStream] = []
+        self.make: Any = None
+
+    def ready(self) -> bool:
+        return True
+
+    async def snapshot(self) -> list[dict[str, Any]]:
+        return []
+
+    def metrics(self) -> str:
+        return self.router.metrics()
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream:
+        s = RequestStream(self.client, Generate(f"r{len(self.streams)}", prompt_ids, sampling))
+        for d in self.make(s.rid):
+            s.push(d)
+        self.streams.append(s)
+        return s
+
+
+def parse_sse(body: str) -> list[Any]:
+    assert body.endswith("\n\n")
+    out = []
+    for block in body.split("\n\n")[:-1]:
+        assert block.startswith("data: ")
+        data = block[6:]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
+    """The text cut before the first stop string (the one whose occurrence ends first; ties: the
+    longer), and the finish reason."""
+    best: tuple[int, int] | None = None
+    for s in stops:
+        i = full.find(s)
+        if i >= 0:
+            key = (i + len(s), -len(s))
+            if best is None or key < best:
+                best = key
+    if best is None:
+        return full, "length"
+    end, neg = best
+    return full[:end + neg], "stop"
+
+
+async def run_request(pre: Preprocessor, h: Harness, body: dict[str, Any]) -> httpx.Response:
+    app = FrontendApp(FrontendConfig(model="/m/tiny", served_model_name="tiny"), h, pre)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        return await c.post("/v1/completions", json=body)
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> dict[str, Any]:
+    text = draw(st.text(alphabet=ALPHABET, min_size=1, max_size=60))
+    n_cuts = draw(st.integers(0, 12))
+    return {
+        "text": text,
+        "cuts": draw(st.lists(st.integers(0, 80), min_size=n_cuts, max_size=n_cuts)),
+        "cumulative": draw(st.booleans()),
+        "lookahead": draw(st.lists(st.booleans(), min_size=1, max_size=4)),
+        "wire": draw(st.booleans()),
+        "interval": draw(st.integers(1, 8)),
+        "n": draw(st.sampled_from([1, 1, 2])),
+        "stops": draw(st.lists(
+            st.one_of(st.text(alphabet=ALPHABET, min_size=1, max_size=3),
+                      st.integers(0, 60).flatmap(
+                          lambda i: st.integers(1, 4).map(lambda k: text[i:i + k]))),
+            max_size=2).map(lambda ss: [s for s in ss if s])),
+    }
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenario())
+def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
+                                                             sc: dict[str, Any]) -> None:
+    ids = pre.tokenizer.encode(sc["text"], add_special_tokens=False).ids
+    full = pre.tokenizer.decode(ids)
+    want, want_finish = expected_text(full, sc["stops"])
+    h = Harness()
+    h.make = lambda rid: worker_deltas(
+        rid, engine_outputs(ids, sc["cuts"], sc["cumulative"], sc["lookahead"]),
+        sc["cumulative"], sc["wire"])
+    body = {"prompt": "x", "stream": True, "max_tokens": 100, "n": sc["n"],
+            "stream_interval": sc["interval"], "stream_options": {"include_usage": True}}
+    if sc["stops"]:
+        body["stop"] = sc["stops"]
+    r = asyncio.run(run_request(pre, h, body))
+    assert r.status_code == 200
+    evs = parse_sse(r.text)
+    assert evs[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for e in evs[:-2]:
+        assert "error" not in e, e
+        for c in e["choices"]:
+            assert c["index"] not in finishes, "a chunk after the finish"
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                finishes[c["index"]] = c["finish_reason"]
+    assert texts == {i: want for i in range(sc["n"])} or (not want and not texts)
+    assert finishes == {i: want_finish for i in range(sc["n"])}
+    received = sum(s.received for s in h.streams)
+    assert evs[-2]["usage"]["completion_tokens"] == received
+    if want_finish == "length":
+        assert received == len(ids) * sc["n"]
+        assert h.client.in_flight == {} and not any(isinstance(m, protocol.Abort) for m in h.sent)
+    assert h.client.protocol_errors == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(n_tokens=st.integers(2, 12), at=st.integers(1, 11), shift=st.sampled_from([-2, -1, 1, 3]),
+       n=st.sampled_from([1, 3]))
+def test_a_gap_or_overlap_fails_loudly_and_is_counted(pre: Preprocessor, n_tokens: int, at: int,
+                                                      shift: int, n: int) -> None:
+    at = min(at, n_tokens - 1)
+    ids = pre.tokenizer.encode("abcdefghijklmnop", add_special_tokens=False).ids[:n_tokens]
+    h = Harness()
+
+    def make(rid: str) -> list[Delta]:
+        ds = [Delta(rid, i, [t]) for i, t in enumerate(ids)]
+        ds[-1].finish_reason = "length"
+        ds[at].offset = max(0, ds[at].offset + shift) if ds[at].offset + shift != at else at + 1
+        return ds
+    h.make = make
+    r = asyncio.run(run_request(pre, h, {"prompt": "x", "stream": True, "n": n,
+                                         "max_tokens": 20}))
+    if r.status_code != 200:  # several choices may all fail before the first byte went out
+        assert n > 1 and r.status_code == 500 and r.json()["error"]["type"] == "protocol_error"
+    else:
+        evs = parse_sse(r.text)
+        assert evs[-1] == "[DONE]" and evs[-2]["error"]["type"] == "protocol_error"
+        assert not any(c["finish_reason"] for e in evs[:-2] for c in e["choices"])
+    assert h.client.protocol_errors >= 1
+    metric = [line for line in h.metrics().splitlines()
+              if line.startswith("tandem_delta_protocol_errors_total{")]
+    assert metric and float(metric[0].rsplit(" ", 1)[1]) == h.client.protocol_errors
+    aborted = {rid for m in h.sent if isinstance(m, protocol.Abort) for rid in m.rids}
+    assert aborted == {s.rid for s in h.streams}  # every choice left unfinished is aborted
