@@ -1,0 +1,494 @@
+"""KV page transfer over NIXL: the only module in tandem that imports nixl.
+
+Owns the NIXL agent of a worker (UCX backend, no NIXL progress thread; a second agent of the
+same name only sends notifications), the registration of the worker's page-major KV region, prepared descriptor lists with one descriptor per page (ours, and
+each peer's, prepared once), and page WRITEs from our pages into a peer's pages with a deadline.
+
+Contracts:
+- Page i is the contiguous range [base + i*page_bytes, +page_bytes). A write names pages by index;
+  NIXL merges consecutive indices that are contiguous on both sides into one descriptor (checked
+  with NIXL telemetry), so a run of pages costs one descriptor, not one per page.
+- `write_pages` returns once every byte is in the peer's pages, or raises `KvTransferTimeout`,
+  `PeerGone` or `KvTransferError`. Every handle is released on every path by the code that made
+  it, also when the awaiting task is cancelled; a handle is never posted twice. Over CMA the copy
+  runs inside `transfer()`: small writes run it on the caller's thread (cheaper than a thread hop),
+  larger ones in `num_streams` threads, each bound to its own UCX worker, in parallel.
+- The notification is sent after the data is in place. The target must make progress for the
+  first write from each peer stream to complete (connection wireup): the agent's progress thread
+  does that every `progress_interval_s` (~2% of a core at 5 ms), so a decode worker only reads
+  notifications (`poll_notifs`), when it likes.
+- `import tandem.kv.nixl_transfer` works without nixl; a `KvAgent` then raises `KvTransferError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MemType = Literal["DRAM", "VRAM"]
+KvRegion = tuple[int, int]  # (address, nbytes), for memory that is not a torch tensor
+
+_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 (see DESIGN §5)"
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing them
+
+
+class KvTransferError(Exception):
+    """A KV page transfer failed; the target pages hold undefined bytes."""
+
+
+class KvTransferTimeout(KvTransferError):
+    """The transfer missed its deadline; its handle was released (or is retried, never reused)."""
+
+
+class PeerGone(KvTransferError):
+    """The peer agent disconnected: its process died or it closed its agent."""
+
+
+class KvLayout(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What a peer needs to address our pages; sent once per peer with `KvAgent.metadata()`."""
+
+    base_addr: int
+    page_bytes: int
+    num_pages: int
+    mem: MemType = "DRAM"
+    device: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    num_pages: int
+    num_bytes: int
+    num_descriptors: int  # after merging runs contiguous on both sides
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str
+    layout: KvLayout
+    dlist: Any  # prepared remote descriptor list; None once released
+    num_inflight: int = 0
+    removed: bool = False
+
+
+def prefault_host_memory(addr: int, nbytes: int, hugepages: bool = True) -> bool:
+    """Best effort: advise transparent huge pages, then fault every page in, writable, without
+    changing its bytes, so the first write into it pays no page faults. False if unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = addr & ~4095
+    length = ctypes.c_size_t(addr + nbytes - start)
+    if hugepages:
+        libc.madvise(ctypes.c_void_p(start), length, _MADV_HUGEPAGE)
+    return bool(libc.madvise(ctypes.c_void_p(start), length, _MADV_POPULATE_WRITE) == 0)
+
+
+def count_descriptors(local_pages: np.ndarray, remote_pages: np.ndarray) -> int:
+    """Descriptors after merging: one per run of pages consecutive on both sides."""
+    if len(local_pages) == 0:
+        return 0
+    return int(((np.diff(local_pages) != 1) | (np.diff(remote_pages) != 1)).sum()) + 1
+
+
+def _page_descs(layout: KvLayout) -> np.ndarray:
+    descs = np.empty((layout.num_pages, 3), dtype=np.uint64)
+    offsets = np.arange(layout.num_pages, dtype=np.uint64) * np.uint64(layout.page_bytes)
+    descs[:, 0] = np.uint64(layout.base_addr) + offsets
+    descs[:, 1] = layout.page_bytes
+    descs[:, 2] = layout.device
+    return descs
+
+
+def _region_of(kv: Any, mem: MemType, device: int) -> KvRegion:
+    if isinstance(kv, tuple):
+        return int(kv[0]), int(kv[1])
+    if not kv.is_contiguous():
+        raise ValueError("the KV tensor must be contiguous (page-major)")
+    is_cuda = kv.device.type == "cuda"
+    if is_cuda != (mem == "VRAM") or (is_cuda and kv.device.index != device):
+        raise ValueError(f"KV tensor on {kv.device} does not match mem={mem} device={device}")
+    return int(kv.data_ptr()), int(kv.numel() * kv.element_size())
+
+
+class KvAgent:
+    """One NIXL agent per worker, owning the registration of its KV pages (`kv`: a contiguous
+    page-major tensor, or an (address, nbytes) region, alive as long as the agent).
+
+    Writes of at most `inline_max_bytes` run on the caller's thread; larger ones are split over
+    up to `num_streams` threads, each stream carrying at least `min_stream_bytes`. `close()`
+    waits for running writes, which their deadlines bound. For VRAM, create the CUDA context
+    (allocate the tensor) before the agent.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        kv: Any,
+        page_bytes: int,
+        num_pages: int,
+        mem: MemType = "DRAM",
+        device: int = 0,
+        *,
+        num_streams: int = 2,
+        min_stream_bytes: int = 8 << 20,
+        inline_max_bytes: int = 2 << 20,
+        progress_interval_s: float | None = 0.005,
+        prefault: bool = True,
+    ) -> None:
+        if page_bytes <= 0 or num_pages <= 0 or num_streams <= 0:
+            raise ValueError("page_bytes, num_pages and num_streams must be positive")
+        if mem not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem must be DRAM or VRAM, not {mem!r}")
+        addr, nbytes = _region_of(kv, mem, device)
+        if nbytes < page_bytes * num_pages:
+            raise ValueError(f"KV region has {nbytes} bytes, pages need {page_bytes * num_pages}")
+        try:
+            from nixl import _bindings
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as e:
+            raise KvTransferError(f"nixl is not installed: {_INSTALL_HINT}") from e
+        self._gone_error: type[BaseException] = _bindings.nixlRemoteDisconnectError
+        names = [n for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")]
+        self._nixl_errors: tuple[type[BaseException], ...] = tuple(
+            getattr(_bindings, n) for n in names
+        )
+        self._kv = kv  # keeps the registered memory alive
+        self._layout = KvLayout(addr, page_bytes, num_pages, mem, device)
+        self._num_streams = num_streams
+        self._min_stream_bytes = min_stream_bytes
+        self._inline_max_bytes = inline_max_bytes
+        if prefault and mem == "DRAM":
+            prefault_host_memory(addr, page_bytes * num_pages)
+        # RW sync: NIXL is called from several threads at once; UCX workers become thread-safe.
+        config = nixl_agent_config(
+            enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+        )
+        self._agent = nixl_agent(name, config)
+        self._agent.create_backend("UCX", {"num_workers": str(num_streams)})
+        # Notifications go from a second agent of the same name: a notification on the data
+        # endpoints makes every later flush wait for the target's next progress (measured).
+        self._notifier = nixl_agent(name, config)
+        self._notifier.create_backend("UCX", {"num_workers": "1"})
+        self._reg = self._agent.register_memory([(addr, page_bytes * num_pages, device, "")], mem)
+        self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(self._layout), mem)
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._num_open = 0  # handles made and not yet released
+        self._stuck: list[Any] = []  # handles whose release failed: retried, never posted again
+        self._notifs: deque[tuple[str, bytes]] = deque()
+        self._pull_lock = threading.Lock()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(num_streams, thread_name_prefix=f"kv-xfer-{name}")
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
+        if progress_interval_s is not None:
+            self._progress = threading.Thread(
+                target=self._progress_loop, args=(progress_interval_s,),
+                name=f"kv-progress-{name}", daemon=True,
+            )
+            self._progress.start()
+
+    # --- identity and peers ---------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return str(self._agent.name)
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def peers(self) -> list[str]:
+        with self._lock:
+            return [p.name for p in self._peers.values() if not p.removed]
+
+    @property
+    def num_open_transfers(self) -> int:
+        """Transfer handles not yet released: 0 whenever no write is running."""
+        with self._lock:
+            return self._num_open + len(self._stuck)
+
+    def add_peer(self, metadata: bytes, layout: KvLayout) -> str:
+        """Load a peer's agent metadata, prepare its page descriptors; returns its name."""
+        self._check_open()
+        if layout.page_bytes != self._layout.page_bytes:
+            ours = self._layout.page_bytes
+            raise ValueError(f"peer pages are {layout.page_bytes} bytes, ours {ours}")
+        with self._lock:
+            loaded = self._agent.add_remote_agent(metadata)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            old = self._peers.get(name)
+            if old is not None and not old.removed:
+                if old.layout != layout:
+                    raise ValueError(f"peer {name} was added with another layout")
+                return name
+            self._notifier.add_remote_agent(metadata)
+            dlist = self._agent.prep_xfer_dlist(name, _page_descs(layout), layout.mem)
+            self._peers[name] = _Peer(name, layout, dlist)
+            return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (e.g. after PeerGone); released once its running writes end. Idempotent."""
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is not None and not p.removed:
+                p.removed = True
+                if p.num_inflight == 0:
+                    self._drop_peer_locked(p)
+
+    # --- writes (initiator side) ----------------------------------------------------------------
+    async def write_pages(
+        self,
+        peer: str,
+        local_pages: Sequence[int],
+        remote_pages: Sequence[int],
+        notif: bytes = b"",
+        deadline_s: float = 10.0,
+    ) -> WriteResult:
+        """WRITE our `local_pages[i]` into the peer's `remote_pages[i]`, then send `notif` (if
+        not empty). `deadline_s`: seconds allowed from this call until every byte is in place
+        (checked between NIXL calls: a copy running inside `transfer()` is not cut short)."""
+        deadline = time.monotonic() + deadline_s
+        t0 = time.perf_counter()
+        local = np.asarray(local_pages, dtype=np.int64)
+        remote = np.asarray(remote_pages, dtype=np.int64)
+        num_bytes = len(local) * self._layout.page_bytes
+        k = max(1, min(self._num_streams, num_bytes // self._min_stream_bytes, len(local)))
+        if num_bytes <= self._inline_max_bytes:
+            k = 0
+        p = self._begin(peer, local, remote, max(k, 1))
+        if k > 0:
+            await self._write_streams(p, local, remote, k, notif, deadline)
+        else:  # small: copy on this thread, cheaper than a thread hop
+            handle, done = self._start(p, local.astype(np.int32), remote.astype(np.int32))
+            if done:
+                self._finish(p, handle, True, notif, deadline)
+            else:  # a pool thread waits for it, and owns the handle from now on
+                try:
+                    fut = self._submit(p, 0, self._finish, p, handle, False, notif, deadline)
+                except KvTransferError:
+                    self._release(handle)
+                    raise
+                await fut
+        return WriteResult(
+            len(local), num_bytes, count_descriptors(local, remote), time.perf_counter() - t0
+        )
+
+    def _submit(self, p: _Peer, num_after: int, fn: Any, *args: Any) -> asyncio.Future[None]:
+        try:
+            return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except RuntimeError as e:  # pool shut down by close(): end this chunk and the ones after
+            for _ in range(num_after + 1):
+                self._end(p)
+            raise KvTransferError("kv agent is closed") from e
+
+    async def _write_streams(
+        self, p: _Peer, local: np.ndarray, remote: np.ndarray, k: int, notif: bytes, deadline: float
+    ) -> None:
+        bounds = [len(local) * j // k for j in range(k + 1)]
+        chunk_notif = notif if k == 1 else b""  # several streams: notify once all are done
+        futs = [
+            self._submit(p, k - 1 - j, self._write_chunk, p, local[a:b].astype(np.int32),
+                         remote[a:b].astype(np.int32), chunk_notif, deadline)
+            for j, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise next((e for e in errors if isinstance(e, PeerGone)), errors[0])
+        if notif and k > 1:
+            self._send_notif(p.name, notif)
+
+    def _write_chunk(
+        self, p: _Peer, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
+    ) -> None:
+        # In a pool thread: NIXL binds a UCX worker to the thread that makes the handle.
+        handle, done = self._start(p, local, remote)
+        self._finish(p, handle, done, notif, deadline)
+
+    def _start(self, p: _Peer, local: np.ndarray, remote: np.ndarray) -> tuple[Any, bool]:
+        """Make and post a handle; True if the copy is complete already."""
+        self._release_stuck()
+        try:
+            handle = self._agent.make_prepped_xfer("WRITE", self._dlist, local, p.dlist, remote)
+        except BaseException as e:
+            self._end(p)
+            if isinstance(e, self._nixl_errors):
+                raise self._map_error(p.name, e) from e
+            raise
+        with self._lock:
+            self._num_open += 1
+        try:
+            return handle, self._state(handle, p.name, None)  # over CMA the copy is in here
+        except BaseException:
+            self._release(handle)
+            self._end(p)
+            raise
+
+    def _finish(self, p: _Peer, handle: Any, done: bool, notif: bytes, deadline: float) -> None:
+        """Wait for the copy until the deadline, release the handle, notify, end the chunk."""
+        try:
+            try:
+                pause = 20e-6
+                while not done:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+                    done = self._state(handle, p.name, deadline)
+            finally:
+                self._release(handle)
+            if notif:
+                self._send_notif(p.name, notif)
+        finally:
+            self._end(p)
+
+    def _state(self, handle: Any, peer: str, deadline: float | None) -> bool:
+        """Post the handle (deadline None) or check it; True when done."""
+        if deadline is not None and time.monotonic() >= deadline:
+            raise KvTransferTimeout(f"write to {peer} passed its deadline")
+        try:
+            if deadline is None:
+                state = self._agent.transfer(handle)
+            else:
+                state = self._agent.check_xfer_state(handle)
+        except self._nixl_errors as e:
+            raise self._map_error(peer, e) from e
+        if state not in ("DONE", "PROC"):
+            raise KvTransferError(f"write to {peer} failed ({state})")
+        return bool(state == "DONE")
+
+    def _send_notif(self, peer: str, notif: bytes) -> None:
+        # Not carried by the transfer: then the transfer completes only after the target's next
+        # progress. Sent once the data is in place, so the target sees it after the data.
+        try:
+            self._notifier.send_notif(peer, notif)
+            if self._progress is None:
+                self._notifier.get_new_notifs()  # progress: completes and frees the send
+        except self._nixl_errors as e:
+            raise self._map_error(peer, e) from e
+
+    def _map_error(self, peer: str, e: BaseException) -> KvTransferError:
+        if isinstance(e, self._gone_error):
+            return PeerGone(f"peer {peer} disconnected: {e}")
+        return KvTransferError(f"transfer to {peer} failed: {type(e).__name__}: {e}")
+
+    def _release(self, handle: Any) -> None:
+        try:
+            handle.release()
+            stuck = False
+        except self._nixl_errors as e:  # not cancellable yet: keep it, retry, never post it again
+            log.warning("kv transfer handle release failed (%s); will retry", e)
+            stuck = True
+        with self._lock:
+            self._num_open -= 1
+            if stuck:
+                self._stuck.append(handle)
+
+    def _release_stuck(self) -> None:
+        with self._lock:
+            stuck, self._stuck = self._stuck, []
+        for handle in stuck:
+            try:
+                handle.release()
+            except self._nixl_errors:
+                with self._lock:
+                    self._stuck.append(handle)
+
+    # --- notifications (target side) ------------------------------------------------------------
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        """Notifications received so far, oldest first, as (peer name, bytes); never blocks."""
+        if not self._closed:
+            self._pull_notifs()
+        out: list[tuple[str, bytes]] = []
+        while self._notifs:
+            out.append(self._notifs.popleft())
+        return out
+
+    def _pull_notifs(self) -> None:
+        with self._pull_lock:  # one puller at a time keeps each peer's notifications in order
+            for peer, msgs in self._agent.get_new_notifs().items():
+                self._notifs.extend((peer, bytes(m)) for m in msgs)
+
+    def _progress_loop(self, interval_s: float) -> None:
+        # Keeps UCX progressing (wireup, acks) so that writes into this agent complete.
+        while not self._stop.wait(interval_s):
+            try:
+                self._pull_notifs()
+                self._notifier.get_new_notifs()  # completes and frees notification sends
+            except Exception:
+                log.exception("nixl progress failed")
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for running writes (bounded by their deadlines), release everything. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.join()
+        self._pool.shutdown(wait=True)
+        self._release_stuck()
+        with self._lock:
+            for p in list(self._peers.values()):
+                self._drop_peer_locked(p)
+        try:
+            self._dlist.release()
+            self._agent.deregister_memory(self._reg)
+        except self._nixl_errors as e:
+            log.warning("closing kv agent %s: %s", self.name, e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KvTransferError("kv agent is closed")
+
+    def _begin(self, peer: str, local: np.ndarray, remote: np.ndarray, num_chunks: int) -> _Peer:
+        self._check_open()
+        if len(local) != len(remote) or len(local) == 0:
+            raise ValueError(f"need equal, non-empty page lists ({len(local)} vs {len(remote)})")
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None or p.removed:
+                raise KvTransferError(f"unknown peer {peer!r}")
+            if local.min() < 0 or local.max() >= self._layout.num_pages:
+                raise ValueError(f"local page out of range [0, {self._layout.num_pages})")
+            if remote.min() < 0 or remote.max() >= p.layout.num_pages:
+                raise ValueError(f"remote page out of range [0, {p.layout.num_pages})")
+            p.num_inflight += num_chunks  # each chunk ends itself, wherever it runs
+            return p
+
+    def _end(self, p: _Peer) -> None:
+        with self._lock:
+            p.num_inflight -= 1
+            if p.removed and p.num_inflight == 0:
+                self._drop_peer_locked(p)
+
+    def _drop_peer_locked(self, p: _Peer) -> None:
+        if p.dlist is None:
+            return
+        current = self._peers.get(p.name) is p  # not re-added under the same name meanwhile
+        try:
+            p.dlist.release()
+            if current:
+                self._agent.remove_remote_agent(p.name)
+                self._notifier.remove_remote_agent(p.name)
+        except self._nixl_errors as e:
+            log.warning("removing kv peer %s: %s", p.name, e)
+        p.dlist = None
+        if current:
+            del self._peers[p.name]
