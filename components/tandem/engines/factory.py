@@ -11,7 +11,7 @@ ENGINES = ("reference", "mock")
 
 def make_engine(cfg: WorkerConfig) -> Engine:
     if cfg.engine == "mock":
-        from tandem.engines.mock import MockEngine
+        from tandem.engines.mock import MockEngine, MockTiming
 
         return MockEngine(
             cfg.model,
@@ -19,7 +19,12 @@ def make_engine(cfg: WorkerConfig) -> Engine:
             num_pages=cfg.num_pages,
             max_batch=cfg.max_batch,
             output_mode=cfg.output_mode,  # type: ignore[arg-type]
-            step_delay_s=cfg.step_delay_ms / 1000.0,
+            timing=MockTiming(
+                step_s=cfg.step_delay_ms / 1e3,
+                prefill_s_per_token=cfg.mock_prefill_us_per_token / 1e6,
+                decode_step_s=cfg.mock_decode_step_us / 1e6,
+                decode_s_per_seq=cfg.mock_decode_us_per_seq / 1e6,
+            ),
         )
     if cfg.engine == "reference":
         from tandem.engines.reference.engine import ReferenceEngine

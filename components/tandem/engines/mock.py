@@ -2,12 +2,17 @@
 
 Token ids are deterministic (a function of the prompt and the position), so two runs agree and a
 test can predict them. Page accounting is real (a PagePool, pages allocated at admission for
-min(prompt + max_tokens, max_context) tokens and freed on finish/abort). Timing: an optional fixed
-delay per engine step; with zero delay each step yields to the event loop once.
+min(prompt + max_tokens, max_context) tokens and freed on finish/abort). Timing (`MockTiming`): a
+step sleeps for its prefill cost (per prompt token admitted that step) plus its decode cost (per
+step, and per running sequence), plus an optional fixed delay; with every cost zero a step sleeps
+not at all and yields to the event loop once. The running batch is capped at `max_batch` and
+admission waits for pages, so the page budget and the batch cap shape latency as in a real engine.
 
 PD roles follow the same handoff protocol as the reference engine (tandem.kv.handoff), with a
 SimulatedMover instead of NIXL: the prefill side holds the prompt's pages until its "write" is done,
-the decode side reserves pages for the whole request and decodes from the first token on.
+the decode side reserves pages for the whole request and decodes from the first token on. A PD
+prefill runs outside the step loop, one at a time, for its prompt's prefill cost; the transfer
+cost per byte is the SimulatedMover's.
 """
 
 from __future__ import annotations
@@ -59,6 +64,22 @@ def spec_from_model_dir(model_dir: str) -> ModelSpec:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class MockTiming:
+    """What a mock engine step costs, in seconds; all zero = overhead runs (no sleeps at all)."""
+
+    step_s: float = 0.0  # every step, whatever it does
+    prefill_s_per_token: float = 0.0  # per prompt token admitted in the step
+    decode_step_s: float = 0.0  # a step that decodes at least one sequence
+    decode_s_per_seq: float = 0.0  # per sequence decoded in the step
+
+    def step_cost(self, num_prompt_tokens: int, num_decoding: int) -> float:
+        cost = self.step_s + self.prefill_s_per_token * num_prompt_tokens
+        if num_decoding:
+            cost += self.decode_step_s + self.decode_s_per_seq * num_decoding
+        return cost
+
+
 @dataclass(eq=False, slots=True)
 class _Seq:
     req: EngineRequest
@@ -80,6 +101,7 @@ class MockEngine(Engine):
         max_batch: int = 256,
         output_mode: OutputMode = "cumulative",
         step_delay_s: float = 0.0,
+        timing: MockTiming | None = None,
     ) -> None:
         self.spec = spec_from_model_dir(model_dir)
         cfg = _read_config(model_dir)
@@ -97,7 +119,8 @@ class MockEngine(Engine):
         self.pool = PagePool(self.num_pages, page_size)
         self.max_batch = max_batch
         self.output_mode = output_mode
-        self.step_delay_s = step_delay_s
+        self.timing = timing if timing is not None else MockTiming(step_s=step_delay_s)
+        self._prefill_lock = asyncio.Lock()  # PD prefill: one prompt computes at a time
         self._avoid = frozenset(self.spec.eos_token_ids)
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
@@ -191,6 +214,10 @@ class MockEngine(Engine):
         self._handoffs += 1
         try:
             await self._take_pages(req.rid, self.pool.pages_for(n_prompt), reserve=False)
+            cost = self.timing.prefill_s_per_token * n_prompt
+            if cost > 0:
+                async with self._prefill_lock:
+                    await asyncio.sleep(cost)
             dest = await side.wait_room(room)
             first = mock_token(req.prompt_ids, 0, self.spec.vocab_size, self._avoid)
             sent = True
@@ -253,18 +280,25 @@ class MockEngine(Engine):
 
     def _output(self, seq: _Seq, new: list[int], reason: FinishReason | None) -> EngineOutput:
         n = len(seq.output_ids)
-        ids = seq.output_ids[:] if self.output_mode == "cumulative" else new
+        # Cumulative: the live list, as SGLang hands it out (no O(length) copy per token); the
+        # consumer bounds it by `completion_tokens`, so later growth cannot leak in.
+        ids = seq.output_ids if self.output_mode == "cumulative" else new
         return EngineOutput(ids, reason, len(seq.req.prompt_ids), n)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Move waiting requests into the batch while it and the pages allow; returns the number
+        of prompt tokens admitted (this step's prefill work)."""
+        num_prompt_tokens = 0
         while self._waiting and len(self._running) < self.max_batch:
             seq = self._waiting[0]
             need = self.pool.pages_for(len(seq.req.prompt_ids) + seq.budget)
             if not self.pool.can_allocate(need):
-                return
+                break
             self._waiting.popleft()
             self.pool.allocate(seq.req.rid, need)
             self._running[seq.req.rid] = seq
+            num_prompt_tokens += len(seq.req.prompt_ids)
+        return num_prompt_tokens
 
     def _step(self) -> None:
         vocab = self.spec.vocab_size
@@ -294,10 +328,12 @@ class MockEngine(Engine):
             if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
-            self._admit()
+            num_prompt_tokens = self._admit()
+            num_decoding = len(self._running)
+            cost = self.timing.step_cost(num_prompt_tokens, num_decoding)
+            if cost > 0:
+                # The step's tokens come out when its compute would have finished.
+                await asyncio.sleep(cost)
             if self._running:
                 self._step()
-            if self.step_delay_s > 0:
-                await asyncio.sleep(self.step_delay_s)
-            else:
-                await asyncio.sleep(0)
+            await asyncio.sleep(0)

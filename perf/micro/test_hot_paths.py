@@ -1,0 +1,116 @@
+"""Microbenchmarks of per-token hot paths (pytest-benchmark). Not part of `make test` (pytest's
+testpaths is tests/); run them with `python -m pytest perf/micro --benchmark-only`.
+Each benchmark does one batch's or one token's worth of work, so its time reads per unit."""
+
+from __future__ import annotations
+
+import pytest
+from tandem.engines.base import EngineOutput
+from tandem.frontend import sse
+from tandem.runtime import protocol as P
+from tandem.worker.deltas import DeltaMaker
+
+BATCH = 256
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tandem.engines.reference.checkpoint import write_tiny_model
+
+    path = str(tmp_path_factory.mktemp("models") / "tiny")
+    write_tiny_model(path, seed=0)
+    return path
+
+
+def test_delta_maker_make_cumulative(benchmark):
+    """One output of a 64-token-old sequence -> one delta (cumulative mode slices by offset)."""
+    ids = list(range(1000, 1065))
+
+    def run() -> object:
+        m = DeltaMaker("r", "cumulative")
+        m.sent = 64
+        return m.make(EngineOutput(ids, None, 16, 65))
+
+    assert benchmark(run) is not None
+
+
+def test_delta_maker_make_incremental(benchmark):
+    def run() -> object:
+        m = DeltaMaker("r", "incremental")
+        m.sent = 64
+        return m.make(EngineOutput([1064], None, 16, 65))
+
+    assert benchmark(run) is not None
+
+
+def _deltas() -> P.Deltas:
+    return P.Deltas([P.Delta(f"req-{i:06d}", 17, [1000 + i]) for i in range(BATCH)],
+                    P.Load(BATCH, 0, 1000, 4096, 0))
+
+
+def test_protocol_encode_deltas_256(benchmark):
+    msg = _deltas()
+    _, payload = benchmark(P.encode, msg)
+    assert len(payload) > BATCH
+
+
+def test_protocol_decode_deltas_256(benchmark):
+    t, payload = P.encode(_deltas())
+    msg = benchmark(P.decode, t, payload)
+    assert isinstance(msg, P.Deltas) and len(msg.items) == BATCH
+
+
+def test_sse_chunk_text(benchmark):
+    enc = sse.ChunkEncoder("chat", "chatcmpl-abcdef0123-1", 1700000000, "tiny")
+    out = benchmark(enc.text, " token")
+    assert out.startswith(b"data: ") and out.endswith(b"\n\n")
+
+
+def test_detokenizer_step_byte_level(benchmark, tokenizer_dir):
+    from tandem.frontend.detokenizer import DetokenizerFactory
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    factory = DetokenizerFactory(tok)
+    ids = tok.encode("The sea is wide and deep, and the waves roll on and on forever.").ids
+    detok = factory.new()
+    state = {"i": 0}
+
+    def step() -> str:
+        i = state["i"] = (state["i"] + 1) % len(ids)
+        return detok.step([ids[i]])
+
+    benchmark(step)
+
+
+def test_mock_engine_256_streams_of_64(benchmark, tmp_path):
+    """The mock engine (zero costs) driving 256 concurrent requests of 64 tokens, each consumed as
+    the worker server does (async for + DeltaMaker): one call = 16384 tokens."""
+    import asyncio
+    import contextlib
+    import json
+
+    from tandem.engines.base import EngineRequest
+    from tandem.engines.mock import MockEngine
+    from tandem.runtime.protocol import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"vocab_size": 500, "max_position_embeddings": 256, "eos_token_id": 2}))
+
+    async def consume(eng: MockEngine, i: int) -> int:
+        maker = DeltaMaker(f"r{i}", eng.output_mode)
+        gen = eng.generate(EngineRequest(f"r{i}", [1, 2, 3, i], SamplingParams(max_tokens=64)))
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                maker.make(out)
+        return maker.sent
+
+    async def run() -> int:
+        eng = MockEngine(str(tmp_path), max_batch=256)
+        await eng.start()
+        try:
+            return sum(await asyncio.gather(*(consume(eng, i) for i in range(256))))
+        finally:
+            await eng.shutdown()
+
+    assert benchmark.pedantic(lambda: asyncio.run(run()), rounds=5, iterations=1) == 256 * 64
