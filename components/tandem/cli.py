@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--host", default=C.DEFAULT_HOST, help=f"HTTP bind address (default: {C.DEFAULT_HOST})")
     f.add_argument("--port", type=_port, default=C.DEFAULT_HTTP_PORT,
                    help=f"HTTP port (default: {C.DEFAULT_HTTP_PORT})")
+    f.add_argument("--http-server", choices=["granian", "uvicorn"], default="granian",
+                   help="HTTP server under the frontend's ASGI app: granian (embedded; fewer "
+                        "CPU-µs on the Python thread) or uvicorn+httptools (default: granian)")
     f.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="send streamed tokens every N tokens (first token at once; requests may "
                         "override with `stream_interval`) (default: 1)")
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HTTP port of the frontend (default: {C.DEFAULT_HTTP_PORT})")
     u.add_argument("--worker-base-port", type=_port, default=None,
                    help="first worker port; workers take consecutive ports (default: free ports)")
+    u.add_argument("--http-server", choices=["granian", "uvicorn"], default="granian",
+                   help="HTTP server under the frontend's ASGI app: granian (embedded; fewer "
+                        "CPU-µs on the Python thread) or uvicorn+httptools (default: granian)")
     u.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="frontend's default stream interval (default: 1)")
     u.add_argument("--ready-timeout", type=float, default=120.0,
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         run_frontend(C.FrontendConfig(
             model=args.model, served_model_name=args.served_model_name, workers=workers,
             host=args.host, port=args.port, stream_interval=args.stream_interval,
+            http_server=args.http_server,
             router=router_config(args),
         ))
         return 0

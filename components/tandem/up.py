@@ -135,6 +135,7 @@ def run_up(args: argparse.Namespace) -> int:
     cluster.spawn("frontend", ["frontend", "--model", args.model, "--workers", ",".join(addrs),
                                "--host", host, "--port", str(args.port),
                                "--stream-interval", str(args.stream_interval),
+                               "--http-server", args.http_server,
                                *router_flags(args)])
     url = f"http://{host}:{args.port}"
     try:
