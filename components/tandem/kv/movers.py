@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.kv.handoff import KvHandoffError
+from tandem.kv.transfer_util import KvTransferError
 from tandem.runtime.protocol import KvLayout
 
 
@@ -55,7 +56,6 @@ class NixlMover:
     def __init__(self, name: str, kv: Any, page_bytes: int, num_pages: int) -> None:
         from tandem.kv import nixl_transfer as nx
 
-        self._nx = nx
         is_cuda = getattr(getattr(kv, "device", None), "type", "cpu") == "cuda"
         mem = "VRAM" if is_cuda else "DRAM"
         device = (kv.device.index or 0) if is_cuda else 0
@@ -65,13 +65,10 @@ class NixlMover:
         return self.agent.metadata()
 
     def kv_layout(self) -> KvLayout:
-        lay = self.agent.layout()
-        return KvLayout(lay.base_addr, lay.page_bytes, lay.num_pages, lay.mem, lay.device)
+        return self.agent.layout()
 
     def add_peer(self, metadata: bytes, layout: KvLayout) -> str:
-        lay = self._nx.KvLayout(layout.base_addr, layout.page_bytes, layout.num_pages,
-                                layout.mem, layout.device)
-        return self.agent.add_peer(metadata, lay)
+        return self.agent.add_peer(metadata, layout)
 
     def remove_peer(self, peer: str) -> None:
         self.agent.remove_peer(peer)
@@ -80,7 +77,7 @@ class NixlMover:
                     deadline_s: float) -> None:
         try:
             await self.agent.write_pages(peer, local, remote, b"", deadline_s)
-        except self._nx.KvTransferError as e:
+        except KvTransferError as e:
             raise KvHandoffError(str(e)) from e
 
     def close(self) -> None:

@@ -23,7 +23,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import logging
 import threading
@@ -34,39 +33,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import msgspec
 import numpy as np
+
+from tandem.kv.transfer_util import (  # re-exported: this module's public API
+    KvTransferError,
+    KvTransferTimeout,
+    PeerGone,
+    count_descriptors,
+    prefault_host_memory,
+)
+from tandem.runtime.protocol import KvLayout  # the wire contract's layout
 
 log = logging.getLogger(__name__)
 
 MemType = Literal["DRAM", "VRAM"]
 KvRegion = tuple[int, int]  # (address, nbytes), for memory that is not a torch tensor
 
+__all__ = ["KvAgent", "KvLayout", "KvTransferError", "KvTransferTimeout", "PeerGone",
+           "WriteResult", "count_descriptors", "prefault_host_memory"]
+
 _INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 (see DESIGN §5)"
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing them
-
-
-class KvTransferError(Exception):
-    """A KV page transfer failed; the target pages hold undefined bytes."""
-
-
-class KvTransferTimeout(KvTransferError):
-    """The transfer missed its deadline; its handle was released (or is retried, never reused)."""
-
-
-class PeerGone(KvTransferError):
-    """The peer agent disconnected: its process died or it closed its agent."""
-
-
-class KvLayout(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """What a peer needs to address our pages; sent once per peer with `KvAgent.metadata()`."""
-
-    base_addr: int
-    page_bytes: int
-    num_pages: int
-    mem: MemType = "DRAM"
-    device: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,24 +70,6 @@ class _Peer:
     dlist: Any  # prepared remote descriptor list; None once released
     num_inflight: int = 0
     removed: bool = False
-
-
-def prefault_host_memory(addr: int, nbytes: int, hugepages: bool = True) -> bool:
-    """Best effort: advise transparent huge pages, then fault every page in, writable, without
-    changing its bytes, so the first write into it pays no page faults. False if unsupported."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    start = addr & ~4095
-    length = ctypes.c_size_t(addr + nbytes - start)
-    if hugepages:
-        libc.madvise(ctypes.c_void_p(start), length, _MADV_HUGEPAGE)
-    return bool(libc.madvise(ctypes.c_void_p(start), length, _MADV_POPULATE_WRITE) == 0)
-
-
-def count_descriptors(local_pages: np.ndarray, remote_pages: np.ndarray) -> int:
-    """Descriptors after merging: one per run of pages consecutive on both sides."""
-    if len(local_pages) == 0:
-        return 0
-    return int(((np.diff(local_pages) != 1) | (np.diff(remote_pages) != 1)).sum()) + 1
 
 
 def _page_descs(layout: KvLayout) -> np.ndarray:
