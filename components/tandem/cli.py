@@ -177,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--host", default=C.DEFAULT_HOST, help=f"HTTP bind address (default: {C.DEFAULT_HOST})")
     f.add_argument("--port", type=_port, default=C.DEFAULT_HTTP_PORT,
                    help=f"HTTP port (default: {C.DEFAULT_HTTP_PORT})")
-    f.add_argument("--http-server", choices=["granian", "uvicorn"], default="granian",
-                   help="HTTP server under the frontend's ASGI app: granian (embedded; fewer "
-                        "CPU-µs on the Python thread) or uvicorn+httptools (default: granian)")
+    f.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn",
+                   help="HTTP server under the frontend's ASGI app: uvicorn+httptools (fewest "
+                        "CPU-µs per token end to end) or granian's embedded server (HTTP on a Rust "
+                        "thread; lower TTFT growth at thousands of streams) (default: uvicorn)")
     f.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="send streamed tokens every N tokens (first token at once; requests may "
                         "override with `stream_interval`) (default: 1)")
@@ -198,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HTTP port of the frontend (default: {C.DEFAULT_HTTP_PORT})")
     u.add_argument("--worker-base-port", type=_port, default=None,
                    help="first worker port; workers take consecutive ports (default: free ports)")
-    u.add_argument("--http-server", choices=["granian", "uvicorn"], default="granian",
-                   help="HTTP server under the frontend's ASGI app: granian (embedded; fewer "
-                        "CPU-µs on the Python thread) or uvicorn+httptools (default: granian)")
+    u.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn",
+                   help="HTTP server under the frontend's ASGI app: uvicorn+httptools (fewest "
+                        "CPU-µs per token end to end) or granian's embedded server (HTTP on a Rust "
+                        "thread; lower TTFT growth at thousands of streams) (default: uvicorn)")
     u.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="frontend's default stream interval (default: 1)")
     u.add_argument("--ready-timeout", type=float, default=120.0,

@@ -1,20 +1,22 @@
 """Serves the frontend's ASGI app over HTTP in the caller's event loop (run it under `uvloop.run`),
 so the app and the worker pool share one loop. Two interchangeable backends, both in-process:
 
-- "granian" (the default): granian's embedded server; hyper/tokio do the HTTP and the socket
-  writes on a Rust thread, so the Python thread — the ceiling of one frontend process — spends
-  less per streamed token. granian's docs still call embedded mode experimental.
-- "uvicorn": uvicorn's httptools protocol on a socket we bind; everything on the Python thread.
+- "uvicorn" (the default): uvicorn's httptools protocol on a socket we bind; everything on the
+  Python thread.
+- "granian": granian's embedded server; hyper/tokio do the HTTP and the socket writes on a Rust
+  thread, so the Python thread spends less per streamed token. granian's docs still call embedded
+  mode experimental.
 
-Chosen by perf/bench_http_servers.py (perf/results/http_servers*.md; a shared 2-core machine, so
-read the ratios, not the absolute figures). Recorded run, granian vs uvicorn: on a raw SSE stream
-1.68x the tokens/s at 0.96x the total server CPU per token; on tandem's real app over a fake pool
-1.16x the tokens/s at 1.04x the total CPU. Total CPU is a wash (0.72-1.04x over every run), but
-on the Python thread granian spends 0.39x (raw) and 0.69x (app: 10.0 vs 14.4 µs/token; 0.59-0.69x
-over every run), because hyper/tokio write the sockets off it. The Python thread is what one
-frontend process runs out of first at thousands of streams, so granian is the default. Both
-backends pass the same live tests (tests/unit/test_frontend_server.py: streaming, disconnect,
-drain, a client that does not read). The app is plain ASGI 3: `backend="uvicorn"` switches.
+Chosen by measurement, in two steps. In isolation (perf/bench_http_servers.py,
+perf/results/http_servers*.md) granian streamed 1.68x (raw SSE) and 1.16x (tandem's app over a
+fake pool) the tokens/s of uvicorn at about the same total CPU, with 0.6-0.7x the CPU on the Python
+thread. But end to end — frontend + mock worker + load client on one idle 2-core machine
+(perf/results/ttft_by_http_server.md) — uvicorn streamed 1.26x (c=256) and 1.32x (c=2048) the
+tokens/s at 0.80x the CPU-µs per token (33.5 vs 41.8); granian's Rust threads compete for the
+same cores. granian kept TTFT growth lower (4.6x vs 7.9x from 256 to 2048 streams). Throughput
+per CPU-µs is what this project optimises, so uvicorn is the default; `--http-server granian`
+switches. Both backends pass the same live tests (tests/unit/test_frontend_server.py: streaming,
+disconnect, drain, a client that does not read). The app is plain ASGI 3.
 
 Shutdown is graceful on both: new requests get 503 and /health turns 503, in-flight requests get
 `DRAIN_TIMEOUT_S` to finish (`FrontendApp.drain`), then they are cancelled — which aborts them on
@@ -35,7 +37,7 @@ from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime.config import DRAIN_TIMEOUT_S, FrontendConfig
 
 Backend = Literal["uvicorn", "granian"]
-DEFAULT_BACKEND: Backend = "granian"
+DEFAULT_BACKEND: Backend = "uvicorn"
 _START_TIMEOUT_S = 10.0
 
 log = logging.getLogger("tandem.frontend")

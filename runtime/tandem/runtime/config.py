@@ -76,6 +76,6 @@ class FrontendConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_HTTP_PORT
     stream_interval: int = 1
-    http_server: str = "granian"  # or "uvicorn"; see perf/results/http_servers.md
+    http_server: str = "uvicorn"  # or "granian"; see components/tandem/frontend/server.py
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     router: RouterConfig = RouterConfig()
