@@ -157,7 +157,11 @@ class PrefillSide:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
+        n = 0
         while True:
+            n += 1
+            if n % transport.RECV_BATCH == 0:
+                await asyncio.sleep(0)
             try:
                 ident, msg = await transport.recv_router(self._sock)
             except protocol.ProtocolError as e:
@@ -326,7 +330,11 @@ class DecodeSide:
         conn.sock.close(linger=0)
 
     async def _recv_loop(self, conn: _Conn) -> None:
+        n = 0
         while not conn.dead:
+            n += 1
+            if n % transport.RECV_BATCH == 0:
+                await asyncio.sleep(0)
             try:
                 msg = await transport.recv_dealer(conn.sock)
             except protocol.ProtocolError as e:

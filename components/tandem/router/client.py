@@ -243,6 +243,9 @@ class WorkerClient:
         hello = Hello(protocol.PROTOCOL_VERSION, self.frontend_id.decode())
         while True:
             if self.state == "up":
+                if self._unread():
+                    # Its messages wait in our socket: we are behind, it is not silent.
+                    self.last_seen = time.monotonic()
                 if time.monotonic() - self.last_seen > HEARTBEAT_DEADLINE_S:
                     self._mark_down(f"silent for over {HEARTBEAT_DEADLINE_S:.0f}s")
                 else:
@@ -272,9 +275,16 @@ class WorkerClient:
         except errors.Unavailable:
             pass
 
+    def _unread(self) -> bool:
+        return self._sock is not None and bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+
     async def _recv_loop(self) -> None:
         assert self._sock is not None
+        n = 0
         while True:
+            n += 1
+            if n % transport.RECV_BATCH == 0:
+                await asyncio.sleep(0)  # a socket that is never empty must not starve the others
             try:
                 msg = await transport.recv_dealer(self._sock)
             except protocol.ProtocolError as e:

@@ -81,7 +81,11 @@ class WorkerServer:
     # --- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         assert self._sock is not None
+        n = 0
         while True:
+            n += 1
+            if n % transport.RECV_BATCH == 0:
+                await asyncio.sleep(0)  # a flood of requests must not starve the engine's tasks
             try:
                 ident, msg = await transport.recv_router(self._sock)
             except protocol.ProtocolError as e:

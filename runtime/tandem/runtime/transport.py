@@ -14,6 +14,10 @@ from tandem.runtime.config import ZMQ_HWM
 
 _ctx: zmq.asyncio.Context | None = None
 
+# Awaiting a receive on a socket that already holds a message does not yield to the event loop, so
+# a receive loop yields on purpose every RECV_BATCH messages: a busy peer cannot starve the rest.
+RECV_BATCH = 64
+
 
 def context() -> zmq.asyncio.Context:
     """The process's one ZMQ context."""
