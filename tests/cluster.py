@@ -96,7 +96,11 @@ class Cluster:
                                            "--port", str(port), "--log-level", "WARNING",
                                            *(extra or [])], self.log_dir)
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()  # a cluster that never came up must not outlive its test
+                raise
         return self.frontend
 
     def wait_ready(self, timeout: float = 60.0) -> None:
