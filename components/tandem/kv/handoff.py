@@ -157,16 +157,7 @@ class PrefillSide:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        n = 0
-        while True:
-            n += 1
-            if n % transport.RECV_BATCH == 0:
-                await asyncio.sleep(0)
-            try:
-                ident, msg = await transport.recv_router(self._sock)
-            except protocol.ProtocolError as e:
-                log.warning("bootstrap: dropped a bad message: %s", e)
-                continue
+        async for ident, msg in transport.router_messages(self._sock, log):
             if isinstance(msg, KvRoom):
                 peer = self._peers.get(ident)
                 r = self._room(msg.room)
@@ -330,24 +321,16 @@ class DecodeSide:
         conn.sock.close(linger=0)
 
     async def _recv_loop(self, conn: _Conn) -> None:
-        n = 0
-        while not conn.dead:
-            n += 1
-            if n % transport.RECV_BATCH == 0:
-                await asyncio.sleep(0)
-            try:
-                msg = await transport.recv_dealer(conn.sock)
-            except protocol.ProtocolError as e:
-                log.warning("bad bootstrap message from %s: %s", conn.address, e)
-                continue
-            except zmq.ZMQError:
-                return
-            if isinstance(msg, KvDone):
-                p = conn.rooms.get(msg.room)
-                if p is not None and not p.fut.done():
-                    p.fut.set_result(msg)
-            elif isinstance(msg, KvHelloReply) and not conn.hello.done():
-                conn.hello.set_result(msg)
+        try:
+            async for msg in transport.dealer_messages(conn.sock, log):
+                if isinstance(msg, KvDone):
+                    p = conn.rooms.get(msg.room)
+                    if p is not None and not p.fut.done():
+                        p.fut.set_result(msg)
+                elif isinstance(msg, KvHelloReply) and not conn.hello.done():
+                    conn.hello.set_result(msg)
+        except zmq.ZMQError:
+            return  # the socket was closed: the connection was dropped
 
     async def _watch(self, conn: _Conn) -> None:
         mon = conn.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

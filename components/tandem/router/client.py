@@ -280,16 +280,7 @@ class WorkerClient:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        n = 0
-        while True:
-            n += 1
-            if n % transport.RECV_BATCH == 0:
-                await asyncio.sleep(0)  # a socket that is never empty must not starve the others
-            try:
-                msg = await transport.recv_dealer(self._sock)
-            except protocol.ProtocolError as e:
-                log.warning("bad message from %s: %s", self.address, e)
-                continue
+        async for msg in transport.dealer_messages(self._sock, log):
             self.last_seen = time.monotonic()
             if isinstance(msg, Deltas):
                 self.on_deltas(msg)

@@ -81,16 +81,7 @@ class WorkerServer:
     # --- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        n = 0
-        while True:
-            n += 1
-            if n % transport.RECV_BATCH == 0:
-                await asyncio.sleep(0)  # a flood of requests must not starve the engine's tasks
-            try:
-                ident, msg = await transport.recv_router(self._sock)
-            except protocol.ProtocolError as e:
-                log.warning("dropped a bad message: %s", e)
-                continue
+        async for ident, msg in transport.router_messages(self._sock, log):
             if isinstance(msg, Generate):
                 self._on_generate(ident, msg)
             elif isinstance(msg, Abort):

@@ -6,6 +6,10 @@ linger on close, have high-water marks, and refuse frames over protocol.MAX_MESS
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
 import zmq
 import zmq.asyncio
 
@@ -85,3 +89,32 @@ async def recv_dealer(sock: zmq.asyncio.Socket) -> protocol._Msg:
     if len(parts) != 2:
         raise protocol.ProtocolError(f"expected 2 frames, got {len(parts)}")
     return protocol.decode(parts[0], parts[1])
+
+
+async def router_messages(sock: zmq.asyncio.Socket, log: logging.Logger
+                          ) -> AsyncIterator[tuple[bytes, protocol._Msg]]:
+    """Every (identity, message) arriving on a ROUTER socket, fairly: bad frames are logged and
+    dropped, and the loop yields every RECV_BATCH messages."""
+    n = 0
+    while True:
+        n += 1
+        if n % RECV_BATCH == 0:
+            await asyncio.sleep(0)
+        try:
+            yield await recv_router(sock)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a bad message: %s", e)
+
+
+async def dealer_messages(sock: zmq.asyncio.Socket, log: logging.Logger
+                          ) -> AsyncIterator[protocol._Msg]:
+    """Every message arriving on a DEALER socket, fairly (as router_messages)."""
+    n = 0
+    while True:
+        n += 1
+        if n % RECV_BATCH == 0:
+            await asyncio.sleep(0)
+        try:
+            yield await recv_dealer(sock)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a bad message: %s", e)
