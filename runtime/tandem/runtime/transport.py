@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
 
 from tandem.runtime import protocol
 from tandem.runtime.config import ZMQ_HWM
+
+T = TypeVar("T")
 
 _ctx: zmq.asyncio.Context | None = None
 
@@ -91,30 +94,26 @@ async def recv_dealer(sock: zmq.asyncio.Socket) -> protocol._Msg:
     return protocol.decode(parts[0], parts[1])
 
 
-async def router_messages(sock: zmq.asyncio.Socket, log: logging.Logger
-                          ) -> AsyncIterator[tuple[bytes, protocol._Msg]]:
+async def _fair(recv: Callable[[zmq.asyncio.Socket], Awaitable[T]], sock: zmq.asyncio.Socket,
+                log: logging.Logger) -> AsyncIterator[T]:
+    n = 0
+    while True:
+        n += 1
+        if n % RECV_BATCH == 0:
+            await asyncio.sleep(0)
+        try:
+            yield await recv(sock)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a bad message: %s", e)
+
+
+def router_messages(sock: zmq.asyncio.Socket, log: logging.Logger
+                    ) -> AsyncIterator[tuple[bytes, protocol._Msg]]:
     """Every (identity, message) arriving on a ROUTER socket, fairly: bad frames are logged and
     dropped, and the loop yields every RECV_BATCH messages."""
-    n = 0
-    while True:
-        n += 1
-        if n % RECV_BATCH == 0:
-            await asyncio.sleep(0)
-        try:
-            yield await recv_router(sock)
-        except protocol.ProtocolError as e:
-            log.warning("dropped a bad message: %s", e)
+    return _fair(recv_router, sock, log)
 
 
-async def dealer_messages(sock: zmq.asyncio.Socket, log: logging.Logger
-                          ) -> AsyncIterator[protocol._Msg]:
+def dealer_messages(sock: zmq.asyncio.Socket, log: logging.Logger) -> AsyncIterator[protocol._Msg]:
     """Every message arriving on a DEALER socket, fairly (as router_messages)."""
-    n = 0
-    while True:
-        n += 1
-        if n % RECV_BATCH == 0:
-            await asyncio.sleep(0)
-        try:
-            yield await recv_dealer(sock)
-        except protocol.ProtocolError as e:
-            log.warning("dropped a bad message: %s", e)
+    return _fair(recv_dealer, sock, log)
