@@ -54,10 +54,11 @@ class FakeStream:
     """A RequestStream that plays a script. Leaving the context before the finished delta records
     an abort on the pool, as the real one sends an Abort to the worker."""
 
-    def __init__(self, pool: FakePool, rid: str, items: list[Item]):
+    def __init__(self, pool: FakePool, rid: str, items: list[Item], burst: bool = False):
         self.pool = pool
         self.rid = rid
         self._items = list(items)
+        self._burst = burst
         self.finished = False
         self.entered = False
         self.exited = False
@@ -74,6 +75,18 @@ class FakeStream:
 
     def __aiter__(self) -> FakeStream:
         return self
+
+    def waiting(self) -> int:
+        """Items already here. Unless the pool plays bursts, each delta arrives on its own (as
+        from a worker that sends one per engine step to a frontend that keeps up)."""
+        if not self._burst:
+            return 0
+        n = 0
+        for item in self._items:
+            if isinstance(item, (Hang, float)):
+                break
+            n += 1
+        return n
 
     async def __anext__(self) -> Delta:
         while True:
@@ -95,10 +108,12 @@ class FakeStream:
 
 class FakePool:
     """The WorkerPool API over scripted streams. `script(rid, prompt_ids, sampling)` gives each
-    request's items; the default returns `reply_ids` as one-token deltas finishing with "length"."""
+    request's items; the default returns `reply_ids` as one-token deltas finishing with "length".
+    With `burst`, a stream's scripted deltas are all already there (a frontend that lags)."""
 
     def __init__(self, info: WorkerInfo | None = None, reply_ids: list[int] | None = None,
-                 script: Script | None = None):
+                 script: Script | None = None, burst: bool = False):
+        self.burst = burst
         self.info: WorkerInfo | None = info or WorkerInfo(
             name="fake-0", role="agg", engine="fake", model="tiny", page_size=16, pages_total=64,
             max_context=256)
@@ -126,7 +141,7 @@ class FakePool:
         self._n += 1
         rid = f"fake{self._n}"
         self.opened.append((list(prompt_ids), sampling))
-        stream = FakeStream(self, rid, self.script(rid, prompt_ids, sampling))
+        stream = FakeStream(self, rid, self.script(rid, prompt_ids, sampling), self.burst)
         self.streams.append(stream)
         return stream
 

@@ -130,6 +130,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-done-timeout", type=float, default=C.KV_DONE_TIMEOUT_S,
                    help="PD, decode side: seconds a request waits for its KV to arrive "
                         f"(default: {C.KV_DONE_TIMEOUT_S:.0f})")
+    p.add_argument("--delta-window", type=_positive_int, default=C.DELTA_WINDOW,
+                   help="delta messages a worker keeps in flight to each frontend; while the "
+                        "frontend owes credit, a request's new tokens merge into one waiting delta "
+                        f"instead of queueing between processes (default: {C.DELTA_WINDOW})")
+    p.add_argument("--delta-batch", type=_non_negative_int, default=C.DELTA_BATCH,
+                   help="most deltas in one message to a frontend besides first tokens; the rest "
+                        "wait, oldest first, merging (0 = no limit) "
+                        f"(default: {C.DELTA_BATCH})")
     p.add_argument("--kv-bytes-per-s", type=float, default=0.0,
                    help="mock engine only: simulated KV transfer rate in bytes/s (default: 0 = "
                         "instant)")
@@ -225,6 +233,7 @@ def worker_config(args: argparse.Namespace) -> C.WorkerConfig:
         mock_prefill_us_per_token=args.mock_prefill_us_per_token,
         mock_decode_step_us=args.mock_decode_step_us,
         mock_decode_us_per_seq=args.mock_decode_us_per_seq,
+        delta_window=args.delta_window, delta_batch=args.delta_batch,
     )
 
 

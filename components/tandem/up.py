@@ -38,7 +38,9 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
               "--kv-bytes-per-s", str(args.kv_bytes_per_s),
               "--mock-prefill-us-per-token", str(args.mock_prefill_us_per_token),
               "--mock-decode-step-us", str(args.mock_decode_step_us),
-              "--mock-decode-us-per-seq", str(args.mock_decode_us_per_seq)]
+              "--mock-decode-us-per-seq", str(args.mock_decode_us_per_seq),
+              "--delta-window", str(args.delta_window),
+              "--delta-batch", str(args.delta_batch)]
     return flags
 
 

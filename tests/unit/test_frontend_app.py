@@ -17,6 +17,7 @@ from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.runtime.config import FrontendConfig
+from tandem.runtime.protocol import Delta, SamplingParams
 from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
 
 CHAT = "/v1/chat/completions"
@@ -228,6 +229,27 @@ async def test_stream_interval(pre: Preprocessor, server_default: int, per_reque
     async with client(make_app(pre, pool, stream_interval=server_default)) as c:
         r = await c.post(CHAT, json=body)
     assert [len(t) for t in chat_texts(events(r.text))] == want
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+async def test_deltas_already_here_go_out_in_one_chunk(pre: Preprocessor, interval: int) -> None:
+    """A frontend that lags finds several deltas of a stream waiting: it writes them as one chunk
+    (whatever the interval), then goes on chunk by chunk; no text is lost or reordered."""
+    toks = ids_of(pre, "abcdefghij")
+
+    def script(rid: str, ids: list[int], sp: SamplingParams) -> list[Any]:
+        first = [Delta(rid, i, [t]) for i, t in enumerate(toks[:6])]
+        rest = [Delta(rid, 6 + i, [t], "length" if i == 3 else None) for i, t in
+                enumerate(toks[6:])]
+        return [*first, 0.0, *rest]  # six deltas at once, a step later the last four
+
+    pool = FakePool(script=script, burst=True)
+    async with client(make_app(pre, pool, stream_interval=interval)) as c:
+        r = await c.post(CHAT, json={"messages": USER, "stream": True,
+                                     "stream_options": {"include_usage": True}})
+    evs = events(r.text)
+    assert chat_texts(evs) == ["abcdef", "ghij"]
+    assert evs[-2]["usage"]["completion_tokens"] == 10 and evs[-1] == "[DONE]"
 
 
 async def test_stop_string_ends_the_request_early(pre: Preprocessor) -> None:

@@ -80,10 +80,36 @@ class MockTiming:
         return cost
 
 
+class _Outputs:
+    """One request's outputs on their way to its one consumer: a deque and at most one waiter (an
+    asyncio.Queue does the same with more bookkeeping per item, and every step puts one item per
+    running request)."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[EngineOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, out: EngineOutput) -> None:
+        self.items.append(out)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def get(self) -> EngineOutput:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.items.popleft()
+
+
 @dataclass(eq=False, slots=True)
 class _Seq:
     req: EngineRequest
-    queue: asyncio.Queue[EngineOutput]
+    queue: _Outputs
     budget: int  # completion tokens this request may produce
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
@@ -173,7 +199,7 @@ class MockEngine(Engine):
         return budget
 
     async def _agg(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
-        seq = _Seq(req, asyncio.Queue(), self._budget(req))
+        seq = _Seq(req, _Outputs(), self._budget(req))
         self._waiting.append(seq)
         self._wake.set()
         async with contextlib.aclosing(self._outputs(seq)) as outs:
@@ -246,7 +272,7 @@ class MockEngine(Engine):
         finally:
             self._handoffs -= 1
         self.pool.commit(rid)
-        seq = _Seq(req, asyncio.Queue(), budget, [first])
+        seq = _Seq(req, _Outputs(), budget, [first])
         reason = self._finish_reason(seq, first, 0)
         if reason is not None:
             seq.done = True
@@ -276,7 +302,7 @@ class MockEngine(Engine):
             pass
         self._free(seq.req.rid)
         if deliver:
-            seq.queue.put_nowait(self._output(seq, [], reason))
+            seq.queue.put(self._output(seq, [], reason))
 
     def _output(self, seq: _Seq, new: list[int], reason: FinishReason | None) -> EngineOutput:
         n = len(seq.output_ids)
@@ -312,7 +338,7 @@ class MockEngine(Engine):
                 seq.done = True
                 del self._running[seq.req.rid]
                 self._free(seq.req.rid)
-            seq.queue.put_nowait(out)
+            seq.queue.put(out)
 
     @staticmethod
     def _finish_reason(seq: _Seq, tok: int, pos: int) -> FinishReason | None:

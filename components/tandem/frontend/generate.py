@@ -2,7 +2,8 @@
 
 `run_generation` is the only code that loops over a request's deltas in the frontend: it feeds them
 to the request's detokenizer, coalesces streamed text by `stream_interval` (the first text at once,
-then every N tokens, always on finish), and writes SSE chunks or one aggregated JSON body. It leaves
+then every N tokens, always on finish; deltas that are already here when one is taken go out in
+the same chunk, so a frontend that lags writes fewer, fuller chunks), and writes SSE chunks or one aggregated JSON body. It leaves
 the `RequestStream` context as soon as a stop string completes, an error arrives or the client is
 gone — leaving early is what aborts the request on the worker.
 
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -34,6 +35,15 @@ _encode = msgspec.json.Encoder().encode
 _JSON = b"application/json"
 
 
+class DeltaSource(Protocol):
+    """A request's deltas, in order; `waiting()` says how many are already here (the frontend
+    merges those into one chunk instead of writing one chunk per delta)."""
+
+    def waiting(self) -> int: ...
+
+    def __anext__(self) -> Awaitable[Delta]: ...
+
+
 class RequestStream(Protocol):
     """What `WorkerPool.open` returns (tandem.router.pool): an async context manager that aborts
     the request when left early, and an async iterator of the request's deltas."""
@@ -44,7 +54,7 @@ class RequestStream(Protocol):
 
     async def __aexit__(self, *exc_info: Any) -> Any: ...
 
-    def __aiter__(self) -> AsyncIterator[Delta]: ...
+    def __aiter__(self) -> DeltaSource: ...
 
 
 class Pool(Protocol):
@@ -243,7 +253,9 @@ async def _stream(stream: RequestStream, job: GenerationJob, ex: Exchange,
                         if fin is not None:
                             finish = fin
                             break
-                        if buf and (not sent or buf_tokens >= interval):
+                        if it.waiting():
+                            pass  # the next delta is already here: it goes in the same chunk
+                        elif buf and (not sent or buf_tokens >= interval):
                             await ex.body(head + enc.text("".join(buf)))
                             head = b""
                             sent = True

@@ -29,6 +29,7 @@ from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LO
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.protocol import (
     Abort,
+    Credit,
     Delta,
     Deltas,
     Generate,
@@ -98,6 +99,10 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def waiting(self) -> int:
+        """Deltas (or a failure) already here: the next `__anext__` returns without waiting."""
+        return len(self._items)
+
     def push(self, item: Delta | errors.TandemError) -> None:
         self._items.append(item)
         self._wake.set()
@@ -146,6 +151,7 @@ class WorkerClient:
         self._seq = itertools.count(1)
         self._queries: dict[int, asyncio.Future[Load]] = {}
         self._up = asyncio.Event()
+        self._credit = 0  # Deltas messages handed to their streams, not yet credited back
 
     @property
     def usable(self) -> bool:
@@ -284,10 +290,18 @@ class WorkerClient:
             self.last_seen = time.monotonic()
             if isinstance(msg, Deltas):
                 self.on_deltas(msg)
+                if not self._credit:
+                    # After the streams woken by these deltas have run: credit means "consumed".
+                    asyncio.get_running_loop().call_soon(self._give_credit)
+                self._credit += 1
             elif isinstance(msg, LoadReport):
                 self.on_load(msg)
             elif isinstance(msg, HelloReply):
                 self._on_hello(msg)
+
+    def _give_credit(self) -> None:
+        n, self._credit = self._credit, 0
+        self._send_quietly(Credit(n))
 
     def on_deltas(self, msg: Deltas) -> None:
         """Route each delta to its stream and account for it (the one loop over a step's deltas)."""

@@ -82,6 +82,9 @@ class PDStream:
     def __aiter__(self) -> PDStream:
         return self
 
+    def waiting(self) -> int:
+        return self.decode.waiting()
+
     async def __anext__(self) -> Delta:
         return await self.decode.__anext__()
 

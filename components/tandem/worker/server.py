@@ -1,8 +1,11 @@
 """WorkerServer: one engine served to any number of frontends over a ZMQ ROUTER socket.
 
-Per frontend it keeps an outbox: every delta produced while the event loop runs one iteration is
-sent as ONE `Deltas` message on the next iteration, so the wire carries one message per engine step
-per frontend, never one per token. Per request it owns one task that drives `engine.generate` and
+Per frontend it keeps an Outbox (tandem.worker.outbox): every delta produced while the event loop
+runs one iteration is sent as ONE `Deltas` message on the next iteration, so the wire carries at
+most one message per engine step per frontend, never one per token; and at most `delta_window`
+messages are in flight to a frontend: while it owes credit, a request's new tokens merge into its
+waiting delta. A frontend that owes credit and stays silent past FRONTEND_SILENT_S is gone: its
+requests are aborted and its outbox dropped. Per request it owns one task that drives `engine.generate` and
 is cancelled by an `Abort`, by the frontend going away, or by shutdown; cancelling the task closes
 the engine's iterator, which frees the request's pages.
 """
@@ -18,10 +21,11 @@ import zmq
 
 from tandem.engines.base import Engine, EngineError, EngineRequest, EngineRequestError
 from tandem.runtime import protocol, transport
-from tandem.runtime.config import DRAIN_TIMEOUT_S, WorkerConfig
+from tandem.runtime.config import DRAIN_TIMEOUT_S, FRONTEND_SILENT_S, WorkerConfig
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.protocol import (
     Abort,
+    Credit,
     Delta,
     Deltas,
     Generate,
@@ -32,6 +36,7 @@ from tandem.runtime.protocol import (
     WorkerInfo,
 )
 from tandem.worker.deltas import DeltaMaker
+from tandem.worker.outbox import Outbox
 
 log = logging.getLogger("tandem.worker")
 
@@ -44,7 +49,7 @@ class WorkerServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks = TaskGroup()
         self._requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
-        self._outbox: dict[bytes, list[Delta]] = {}
+        self._outboxes: dict[bytes, Outbox] = {}
         self._flush_scheduled = False
         self._draining = False
 
@@ -56,22 +61,25 @@ class WorkerServer:
         self._sock = transport.router(self.address)
         log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
                  self.info.engine, self.address)
-        recv = asyncio.get_running_loop().create_task(self._recv_loop(), name="worker-recv")
+        loop = asyncio.get_running_loop()
+        recv = loop.create_task(self._recv_loop(), name="worker-recv")
+        reaper = loop.create_task(self._reap_silent_frontends(), name="worker-reaper")
         try:
             await stop.wait()
             await self.drain(DRAIN_TIMEOUT_S)
         finally:
             recv.cancel()
-            await asyncio.gather(recv, return_exceptions=True)
+            reaper.cancel()
+            await asyncio.gather(recv, reaper, return_exceptions=True)
             await self._tasks.close()
-            self._flush()
-            self._sock.close(linger=0)
+            self._flush(force=True)  # the last words: past the window, the frontends can take it
+            self._sock.close(linger=1000)  # ms for those last words to leave
 
     async def drain(self, timeout: float) -> None:
         """Take no new work; give in-flight requests `timeout` seconds, then abort the rest."""
         self._draining = True
         deadline = time.monotonic() + timeout
-        while self._requests and time.monotonic() < deadline:
+        while (self._requests or any(self._outboxes.values())) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self._requests):
             self._cancel(rid)
@@ -82,7 +90,15 @@ class WorkerServer:
     async def _recv_loop(self) -> None:
         assert self._sock is not None
         async for ident, msg in transport.router_messages(self._sock, log):
-            if isinstance(msg, Generate):
+            box = self._outboxes.get(ident)
+            if box is not None:
+                box.last_heard = time.monotonic()
+            if isinstance(msg, Credit):
+                if box is not None:
+                    box.credit(msg.n)
+                    if box.can_send:
+                        self._send_box(ident, box)
+            elif isinstance(msg, Generate):
                 self._on_generate(ident, msg)
             elif isinstance(msg, Abort):
                 for rid in msg.rids:
@@ -95,6 +111,9 @@ class WorkerServer:
                 log.warning("unexpected %s from a frontend", type(msg).__name__)
 
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
+        box = self._outboxes.get(ident)
+        if box is not None:
+            box.reset()  # a new connection: credit owed on the old one will not come
         if msg.version != protocol.PROTOCOL_VERSION:
             err = f"protocol version {msg.version} != worker's {protocol.PROTOCOL_VERSION}"
             self._send(ident, HelloReply(protocol.PROTOCOL_VERSION, False, None, err))
@@ -141,25 +160,36 @@ class WorkerServer:
         finally:
             self._requests.pop(req.rid, None)
 
-    # --- sending: one Deltas message per loop iteration per frontend ------------------------------
+    async def _reap_silent_frontends(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for ident, box in list(self._outboxes.items()):
+                if box.in_flight and now - box.last_heard > FRONTEND_SILENT_S:
+                    log.warning("frontend %r silent for over %.0fs while owing credit: aborting "
+                                "its requests", ident, FRONTEND_SILENT_S)
+                    self._abort_frontend(ident)
+
+    # --- sending: one Deltas message per loop iteration per frontend, within its window ----------
     def _emit(self, ident: bytes, delta: Delta) -> None:
-        box = self._outbox.get(ident)
+        box = self._outboxes.get(ident)
         if box is None:
-            self._outbox[ident] = [delta]
-        else:
-            box.append(delta)
-        if not self._flush_scheduled:
+            box = self._outboxes[ident] = Outbox(self.cfg.delta_window, self.cfg.delta_batch)
+        box.add(delta)
+        if not self._flush_scheduled and (box.in_flight < box.window or delta.offset == 0):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = False) -> None:
         self._flush_scheduled = False
-        if not self._outbox:
-            return
-        boxes, self._outbox = self._outbox, {}
-        load = self.engine.load()
-        for ident, items in boxes.items():
-            self._send(ident, Deltas(items, load))
+        for ident, box in list(self._outboxes.items()):
+            if box.can_send or (force and len(box)):
+                self._send_box(ident, box)
+            elif box.has_first:  # the window is full: first tokens go on their own
+                self._send(ident, Deltas(box.take_first(), self.engine.load()))
+
+    def _send_box(self, ident: bytes, box: Outbox) -> None:
+        self._send(ident, Deltas(box.take(), self.engine.load()))
 
     def _send(self, ident: bytes, msg: protocol._Msg) -> None:
         assert self._sock is not None
@@ -169,6 +199,10 @@ class WorkerServer:
             # The frontend is gone (EHOSTUNREACH) or not reading (EAGAIN past the HWM): its
             # requests cannot be delivered, so stop them and free their pages.
             log.warning("frontend %r unreachable (%s): aborting its requests", ident, e)
-            for rid, (owner, task) in list(self._requests.items()):
-                if owner == ident:
-                    task.cancel()
+            self._abort_frontend(ident)
+
+    def _abort_frontend(self, ident: bytes) -> None:
+        self._outboxes.pop(ident, None)
+        for owner, task in list(self._requests.values()):
+            if owner == ident:
+                task.cancel()

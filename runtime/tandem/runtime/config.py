@@ -22,6 +22,13 @@ KV_DONE_TIMEOUT_S = 120.0  # decode side: how long a request waits for its KV (q
 MOCK_PREFILL_US_PER_TOKEN = 0.0
 MOCK_DECODE_STEP_US = 0.0
 MOCK_DECODE_US_PER_SEQ = 0.0
+# Deltas messages a worker keeps in flight per frontend; past it, a request's new tokens are merged
+# into its waiting delta until the frontend gives credit back (tandem.worker.outbox).
+DELTA_WINDOW = 4
+# Deltas per message besides first tokens (0 = no limit): with the window, it bounds what a frontend
+# holds unprocessed, so its event loop passes stay short at thousands of streams.
+DELTA_BATCH = 128
+FRONTEND_SILENT_S = 10.0  # a frontend silent this long while owing credit: its requests are aborted
 ZMQ_HWM = 100_000  # messages; deltas are batched per step so this is generous
 # Router admission (DESIGN §3 "Backpressure accounting"). 0 = unlimited for the per-worker limits.
 ROUTER_POLICIES = ("least-loaded", "round-robin", "prefix")
@@ -56,6 +63,8 @@ class WorkerConfig:
     mock_prefill_us_per_token: float = MOCK_PREFILL_US_PER_TOKEN  # mock engine only
     mock_decode_step_us: float = MOCK_DECODE_STEP_US  # mock engine only
     mock_decode_us_per_seq: float = MOCK_DECODE_US_PER_SEQ  # mock engine only
+    delta_window: int = DELTA_WINDOW
+    delta_batch: int = DELTA_BATCH
 
 
 @dataclass(frozen=True, slots=True)

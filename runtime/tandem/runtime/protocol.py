@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Credit (the worker's delta window per frontend)
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -33,6 +33,7 @@ class MsgType(enum.IntEnum):
     DELTAS = 5
     LOAD_QUERY = 6
     LOAD_REPORT = 7
+    CREDIT = 8
     KV_HELLO = 16
     KV_HELLO_REPLY = 17
     KV_ROOM = 18
@@ -111,6 +112,13 @@ class Abort(_Msg):
 
 class LoadQuery(_Msg):
     seq: int
+
+
+class Credit(_Msg):
+    """The frontend handed the deltas of `n` more `Deltas` messages to their streams: the worker
+    may send `n` more (tandem.worker.outbox)."""
+
+    n: int
 
 
 # --- worker -> frontend ---------------------------------------------------------------------------
@@ -208,6 +216,7 @@ TYPE_OF: dict[type, MsgType] = {
     Abort: MsgType.ABORT,
     Deltas: MsgType.DELTAS,
     LoadQuery: MsgType.LOAD_QUERY,
+    Credit: MsgType.CREDIT,
     LoadReport: MsgType.LOAD_REPORT,
     KvHello: MsgType.KV_HELLO,
     KvHelloReply: MsgType.KV_HELLO_REPLY,

@@ -1,0 +1,177 @@
+"""The worker's per-frontend Outbox: the credit window, merging while the window is full, first
+tokens first, and nothing lost, duplicated or reordered within a request."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.runtime.protocol import Delta, Usage
+from tandem.worker.outbox import Outbox
+
+
+def test_window_counts_messages_and_credit_reopens_it() -> None:
+    box = Outbox(2)
+    assert not box.can_send  # nothing waiting
+    box.add(Delta("a", 0, [1]))
+    assert box.can_send
+    assert [d.token_ids for d in box.take()] == [[1]]
+    box.add(Delta("a", 1, [2]))
+    box.take()
+    box.add(Delta("a", 2, [3]))
+    assert box.in_flight == 2 and not box.can_send and len(box) == 1
+    box.credit(1)
+    assert box.can_send
+    box.credit(5)  # more than owed (a credit from before a reset): clamped
+    assert box.in_flight == 0
+
+
+def test_a_full_window_merges_a_request_into_one_delta() -> None:
+    box = Outbox(1)
+    box.add(Delta("a", 0, [1]))
+    box.take()
+    for i in range(1, 6):
+        box.add(Delta("a", i, [10 + i]))
+    box.add(Delta("a", 6, [99], "length", Usage(3, 7)))
+    box.add(Delta("b", 0, [5]))
+    assert len(box) == 2
+    box.credit(1)
+    a, b = sorted(box.take(), key=lambda d: d.rid)
+    assert (a.offset, a.token_ids, a.finish_reason, a.usage) == \
+        (1, [11, 12, 13, 14, 15, 99], "length", Usage(3, 7))
+    assert (b.offset, b.token_ids) == (0, [5])
+
+
+def test_first_tokens_go_first_and_an_error_is_never_merged() -> None:
+    box = Outbox(1)
+    box.add(Delta("old", 4, [1]))
+    box.add(Delta("new", 0, [2]))
+    box.add(Delta("old", 5, [3]))
+    box.add(Delta("old", 6, [], "error", error="engine failed", status=500))
+    items = box.take()
+    assert [(d.rid, d.offset, d.token_ids, d.finish_reason) for d in items] == [
+        ("new", 0, [2], None), ("old", 4, [1, 3], None), ("old", 6, [], "error")]
+
+
+def test_a_batch_bounds_a_message_oldest_first_and_late_tokens_start_a_new_delta() -> None:
+    box = Outbox(4, batch=2)
+    for r in "abc":
+        box.add(Delta(r, 3, [1]))
+    box.add(Delta("new", 0, [7]))
+    box.add(Delta("a", 4, [2]))  # merges into a's waiting delta
+    first = box.take()
+    assert [(d.rid, d.token_ids) for d in first] == [("new", [7]), ("a", [1, 2]), ("b", [1])]
+    box.add(Delta("a", 5, [3]))  # a's delta left: this one waits behind c
+    box.add(Delta("c", 4, [2]))  # c is still waiting: merged
+    second = box.take()
+    assert [(d.rid, d.offset, d.token_ids) for d in second] == [("c", 3, [1, 2]), ("a", 5, [3])]
+    assert first[1].token_ids == [1, 2]  # a sent delta is never changed afterwards
+    assert len(box) == 0 and box.in_flight == 2
+
+
+def test_first_tokens_leave_past_a_full_window() -> None:
+    box = Outbox(1)
+    box.add(Delta("old", 0, [1]))
+    box.take()
+    box.add(Delta("old", 1, [2]))
+    box.add(Delta("new", 0, [3]))
+    assert not box.can_send and box.has_first
+    assert [(d.rid, d.token_ids) for d in box.take_first()] == [("new", [3])]
+    box.add(Delta("new", 1, [4]))  # new's first delta left: this is a new one, behind old's
+    assert box.in_flight == 2 and not box.has_first
+    box.credit(2)
+    assert [(d.rid, d.offset, d.token_ids) for d in box.take()] == [("old", 1, [2]),
+                                                                      ("new", 1, [4])]
+
+
+def test_a_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Outbox(0)
+    with pytest.raises(ValueError):
+        Outbox(1, batch=-1)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[int, int, dict[str, list[Delta]], list[tuple[str, int]]]:
+    window = draw(st.integers(1, 3))
+    batch = draw(st.integers(0, 3))
+    reqs: dict[str, list[Delta]] = {}
+    for r in range(draw(st.integers(1, 5))):
+        rid = f"r{r}"
+        sizes = draw(st.lists(st.integers(1, 3), min_size=1, max_size=8))
+        ends_in_error = draw(st.booleans())
+        out, off, tok = [], 0, 100 * r
+        for i, n in enumerate(sizes):
+            last = i == len(sizes) - 1 and not ends_in_error
+            ids = list(range(tok, tok + n))
+            tok += n
+            out.append(Delta(rid, off, ids, "length" if last else None,
+                             Usage(1, off + n) if last else None))
+            off += n
+        if ends_in_error:
+            out.append(Delta(rid, off, [], "error", error="boom", status=500))
+        reqs[rid] = out
+    # Operations: ("add", request index) / ("take", 0) / ("credit", n).
+    ops = draw(st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(0, len(reqs) - 1)),
+        st.tuples(st.just("take"), st.just(0)),
+        st.tuples(st.just("credit"), st.integers(1, 2))), max_size=80))
+    return window, batch, reqs, ops
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads())
+def test_nothing_is_lost_duplicated_or_reordered(
+        w: tuple[int, int, dict[str, list[Delta]], list[tuple[str, int]]]) -> None:
+    window, batch, reqs, ops = w
+    pending = {rid: [Delta(d.rid, d.offset, list(d.token_ids), d.finish_reason, d.usage, d.error,
+                           d.status) for d in ds] for rid, ds in reqs.items()}
+    rids = list(pending)
+    box = Outbox(window, batch)
+    got: dict[str, list[Delta]] = {rid: [] for rid in rids}
+
+    def take() -> None:
+        assert box.in_flight < window  # a regular message only within the window
+        msg = box.take()
+        if batch:
+            assert sum(1 for d in msg if d.offset) <= batch
+        seen_rest = False
+        for d in msg:  # first tokens ahead of every other delta in the message
+            if d.offset == 0:
+                assert not seen_rest
+            else:
+                seen_rest = True
+            got[d.rid].append(d)
+
+    for op, arg in ops:
+        if op == "add" and pending[rids[arg]]:
+            box.add(pending[rids[arg]].pop(0))
+        elif op == "take" and box.can_send:
+            take()
+        elif op == "take" and box.has_first:  # window full: the first tokens leave on their own
+            msg = box.take_first()
+            assert msg and all(d.offset == 0 for d in msg)
+            for d in msg:
+                got[d.rid].append(d)
+        elif op == "credit":
+            box.credit(arg)
+    for rid in rids:
+        while pending[rid]:
+            box.add(pending[rid].pop(0))
+    while len(box):
+        box.credit(box.in_flight)
+        take()
+
+    for rid, sent in reqs.items():
+        received = got[rid]
+        ids = [t for d in received for t in d.token_ids]
+        assert ids == [t for d in sent for t in d.token_ids]
+        off = 0
+        for d in received:  # contiguous offsets, one end, at the end
+            assert d.offset == off
+            off += len(d.token_ids)
+            assert (d.finish_reason is None) == (d is not received[-1])
+        assert received[-1].finish_reason == sent[-1].finish_reason
+        assert received[-1].usage == sent[-1].usage
+        assert len(received) <= len(sent)
