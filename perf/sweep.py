@@ -25,7 +25,7 @@ import psutil
 
 from perf.client import Connection
 from perf.launch import SHAPES, launch
-from perf.load import LoadSpec, check, print_progress, run_level
+from perf.load import LoadSpec, check, print_progress, run, run_level
 
 
 def pct(sorted_xs: list[float], q: float) -> float:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             "title": f"{args.launch or url} {args.api} max_tokens={args.max_tokens} "
                      f"interval={args.stream_interval}"}
     try:
-        rows = asyncio.run(sweep(args, spec, cluster))
+        rows = run(sweep(args, spec, cluster))
     finally:
         if cluster is not None:
             cluster.stop()

@@ -8,6 +8,13 @@ far) or incremental (only new ids) as the engine's `output_mode` declares. The l
 `finish_reason`. If the consumer stops iterating early (aclose, cancellation), the engine frees the
 request's pages as if `abort(rid)` had been called. A request the engine cannot take raises
 `EngineRequestError` from the first `__anext__`, before any output.
+
+Fast path (optional): `open_stream(req, sink)` delivers the same outputs by calling `sink.put(out)`
+from the engine's own step on the event loop, with no task per request and no wakeup per output.
+An engine without it returns None and the caller iterates `generate()`; with it, the engine raises
+`EngineRequestError` at once for a request it cannot take, calls the sink only after
+`open_stream` returned, ends with one `put` carrying a `finish_reason` or one `sink.fail(error)`,
+and after `handle.cancel()` calls the sink no more and frees the request's pages as `abort` would.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.runtime.protocol import Bootstrap, FinishReason, Load, OutputMode, SamplingParams
 
@@ -54,6 +62,18 @@ class ModelSpec:
     vocab_size: int = 0
 
 
+class OutputSink(Protocol):
+    """Where an engine's fast path delivers one request's outputs (on the event loop)."""
+
+    def put(self, out: EngineOutput) -> None: ...
+
+    def fail(self, err: EngineError) -> None: ...
+
+
+class StreamHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
 class Engine(abc.ABC):
     name: str = "base"
     output_mode: OutputMode = "cumulative"
@@ -66,6 +86,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    def open_stream(self, req: EngineRequest, sink: OutputSink) -> StreamHandle | None:
+        """The fast path (see the module docstring); None = not for this engine or request."""
+        return None
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None: ...

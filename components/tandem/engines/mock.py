@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 from collections import deque
 from collections.abc import AsyncIterator
@@ -32,10 +33,13 @@ from tandem.engines.base import (
     EngineRequest,
     EngineRequestError,
     ModelSpec,
+    OutputSink,
 )
 from tandem.kv.handoff import DecodeSide, KvHandoffError, PrefillSide
 from tandem.kv.pages import PagePool
 from tandem.runtime.protocol import FinishReason, Load, OutputMode
+
+log = logging.getLogger("tandem.engine")
 
 
 def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozenset[int]) -> int:
@@ -106,10 +110,28 @@ class _Outputs:
         return self.items.popleft()
 
 
+class _Stream:
+    """The handle of a fast-path request: cancelling it aborts the request, wherever it is."""
+
+    __slots__ = ("engine", "seq", "handoff")
+
+    def __init__(self, engine: MockEngine, seq: _Seq | None,
+                 handoff: asyncio.Task[None] | None) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.handoff = handoff  # PD decode: the task receiving the KV, until it is in place
+
+    def cancel(self) -> None:
+        if self.seq is not None:
+            self.engine._finish(self.seq, "abort", deliver=False)
+        elif self.handoff is not None:
+            self.handoff.cancel()
+
+
 @dataclass(eq=False, slots=True)
 class _Seq:
     req: EngineRequest
-    queue: _Outputs
+    queue: _Outputs | OutputSink  # the consumer: generate()'s iterator, or a fast-path sink
     budget: int  # completion tokens this request may produce
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
@@ -152,6 +174,7 @@ class MockEngine(Engine):
         self._running: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._handoff_tasks: set[asyncio.Task[None]] = set()  # fast-path PD decodes, owned here
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="mock-engine")
@@ -161,6 +184,10 @@ class MockEngine(Engine):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        handoffs = list(self._handoff_tasks)
+        for t in handoffs:
+            t.cancel()
+        await asyncio.gather(*handoffs, return_exceptions=True)
         for seq in list(self._running.values()) + list(self._waiting):
             self._finish(seq, "abort")
 
@@ -185,6 +212,38 @@ class MockEngine(Engine):
             return self._decode(req, self.decode_side)
         return self._agg(req)
 
+    def open_stream(self, req: EngineRequest, sink: OutputSink) -> _Stream | None:
+        """The fast path for agg and decode requests (a prefill has one output: no need)."""
+        if req.bootstrap is None:
+            seq = _Seq(req, sink, self._budget(req))
+            self._waiting.append(seq)
+            self._wake.set()
+            return _Stream(self, seq, None)
+        if self.decode_side is not None:
+            budget = self._budget(req)
+            stream = _Stream(self, None, None)
+            task = asyncio.get_running_loop().create_task(
+                self._decode_into(req, self.decode_side, budget, sink, stream), name=req.rid)
+            self._handoff_tasks.add(task)
+            task.add_done_callback(self._handoff_tasks.discard)
+            stream.handoff = task
+            return stream
+        return None
+
+    async def _decode_into(self, req: EngineRequest, side: DecodeSide, budget: int,
+                           sink: OutputSink, stream: _Stream) -> None:
+        try:
+            first = await self._receive_kv(req, side, budget)
+        except EngineError as e:
+            sink.fail(e)
+            return
+        except Exception as e:  # a bug fails this request, loudly, not the worker
+            log.exception("%s: KV handoff failed", req.rid)
+            sink.fail(EngineError(f"engine failed: {e}"))
+            return
+        stream.seq, first_out = self._start_decoding(req, sink, budget, first)
+        sink.put(first_out)
+
     def _budget(self, req: EngineRequest) -> int:
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
@@ -207,9 +266,11 @@ class MockEngine(Engine):
                 yield out
 
     async def _outputs(self, seq: _Seq) -> AsyncIterator[EngineOutput]:
+        queue = seq.queue
+        assert isinstance(queue, _Outputs)
         try:
             while True:
-                out = await seq.queue.get()
+                out = await queue.get()
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -257,8 +318,8 @@ class MockEngine(Engine):
             self._free(req.rid)
         yield EngineOutput([first], "length", n_prompt, 1)
 
-    async def _decode(self, req: EngineRequest, side: DecodeSide) -> AsyncIterator[EngineOutput]:
-        budget = self._budget(req)
+    async def _receive_kv(self, req: EngineRequest, side: DecodeSide, budget: int) -> int:
+        """Reserve the request's pages, have its prompt's KV written into them; the first token."""
         assert req.bootstrap is not None
         rid, n_prompt = req.rid, len(req.prompt_ids)
         self._handoffs += 1
@@ -272,20 +333,32 @@ class MockEngine(Engine):
         finally:
             self._handoffs -= 1
         self.pool.commit(rid)
-        seq = _Seq(req, _Outputs(), budget, [first])
+        return first
+
+    def _start_decoding(self, req: EngineRequest, queue: _Outputs | OutputSink, budget: int,
+                        first: int) -> tuple[_Seq, EngineOutput]:
+        """Join the batch after the handoff (or finish at once); the first token's output."""
+        seq = _Seq(req, queue, budget, [first])
         reason = self._finish_reason(seq, first, 0)
         if reason is not None:
             seq.done = True
-            self._free(rid)
-            yield self._output(seq, [first], reason)
-            return
-        self._running[rid] = seq
-        self._wake.set()
+            self._free(req.rid)
+        else:
+            self._running[req.rid] = seq
+            self._wake.set()
+        return seq, self._output(seq, [first], reason)
+
+    async def _decode(self, req: EngineRequest, side: DecodeSide) -> AsyncIterator[EngineOutput]:
+        budget = self._budget(req)
+        first = await self._receive_kv(req, side, budget)
+        seq, out = self._start_decoding(req, _Outputs(), budget, first)
         try:
-            yield self._output(seq, [first], None)
+            yield out
         except BaseException:
             self._finish(seq, "abort", deliver=False)
             raise
+        if out.finish_reason is not None:
+            return
         async with contextlib.aclosing(self._outputs(seq)) as outs:
             async for out in outs:
                 yield out

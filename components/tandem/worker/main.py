@@ -75,6 +75,7 @@ async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
             bootstrap_addr=bootstrap,
             eos_token_ids=tuple(engine.spec.eos_token_ids),
         )
+        lifecycle.tune_gc()
         await WorkerServer(cfg, engine, info).run(stop)
     finally:
         await engine.shutdown()

@@ -5,9 +5,12 @@ runs one iteration is sent as ONE `Deltas` message on the next iteration, so the
 most one message per engine step per frontend, never one per token; and at most `delta_window`
 messages are in flight to a frontend: while it owes credit, a request's new tokens merge into its
 waiting delta. A frontend that owes credit and stays silent past FRONTEND_SILENT_S is gone: its
-requests are aborted and its outbox dropped. Per request it owns one task that drives `engine.generate` and
-is cancelled by an `Abort`, by the frontend going away, or by shutdown; cancelling the task closes
-the engine's iterator, which frees the request's pages.
+requests are aborted and its outbox dropped.
+
+Per request a `_Served` turns engine outputs into deltas. An engine with the fast path
+(`open_stream`) calls it from its own step; otherwise one task per request drives
+`engine.generate`. An `Abort`, the frontend going away, or shutdown cancels the request (the
+handle, or the task, whose cancellation closes the engine's iterator), which frees its pages.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import time
 
 import zmq
 
-from tandem.engines.base import Engine, EngineError, EngineRequest, EngineRequestError
+from tandem.engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    StreamHandle,
+)
 from tandem.runtime import protocol, transport
 from tandem.runtime.config import DRAIN_TIMEOUT_S, FRONTEND_SILENT_S, WorkerConfig
 from tandem.runtime.lifecycle import TaskGroup
@@ -48,7 +58,7 @@ class WorkerServer:
         self.info = info
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks = TaskGroup()
-        self._requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self._requests: dict[str, _Served] = {}
         self._outboxes: dict[bytes, Outbox] = {}
         self._flush_scheduled = False
         self._draining = False
@@ -71,6 +81,8 @@ class WorkerServer:
             recv.cancel()
             reaper.cancel()
             await asyncio.gather(recv, reaper, return_exceptions=True)
+            for rid in list(self._requests):  # (drain did this unless it was cut short)
+                self._cancel(rid)
             await self._tasks.close()
             self._flush(force=True)  # the last words: past the window, the frontends can take it
             self._sock.close(linger=1000)  # ms for those last words to leave
@@ -128,37 +140,39 @@ class WorkerServer:
             self._emit(ident, Delta(msg.rid, 0, [], "error", error="duplicate request id", status=400))
             return
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
-        task = self._tasks.spawn(self._serve(ident, req), name=msg.rid)
-        self._requests[msg.rid] = (ident, task)
+        served = _Served(self, ident, req.rid, DeltaMaker(req.rid, self.engine.output_mode))
+        try:
+            handle = self.engine.open_stream(req, served)
+        except EngineError as e:
+            served.fail(e)
+            return
+        if handle is None:  # no fast path: a task drives the engine's iterator
+            handle = self._tasks.spawn(self._serve(served, req), name=msg.rid)
+        served.handle = handle
+        self._requests[msg.rid] = served
 
     def _cancel(self, rid: str) -> None:
-        entry = self._requests.get(rid)
-        if entry is not None:
-            entry[1].cancel()
+        served = self._requests.pop(rid, None)
+        if served is not None and served.handle is not None:
+            served.handle.cancel()  # frees the pages (a task: once its iterator is closed)
 
     # --- one request ------------------------------------------------------------------------------
-    async def _serve(self, ident: bytes, req: EngineRequest) -> None:
-        maker = DeltaMaker(req.rid, self.engine.output_mode)
+    async def _serve(self, served: _Served, req: EngineRequest) -> None:
         try:
             gen = self.engine.generate(req)
             async with contextlib.aclosing(gen):
                 async for out in gen:
-                    delta = maker.make(out)
-                    if delta is not None:
-                        self._emit(ident, delta)
+                    served.deliver(out)
         except asyncio.CancelledError:
             pass  # aborted: the frontend already knows; aclosing freed the pages
-        except EngineRequestError as e:
-            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=str(e), status=400))
         except EngineError as e:
-            log.error("%s: engine error: %s", req.rid, e)
-            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=str(e), status=500))
+            served.fail(e)
         except Exception as e:  # an engine bug must fail one request, not the worker
             log.exception("%s: unexpected engine failure", req.rid)
-            self._emit(ident, Delta(req.rid, maker.sent, [], "error", error=f"engine failed: {e}",
-                                    status=500))
+            served.fail(EngineError(f"engine failed: {e}"))
         finally:
-            self._requests.pop(req.rid, None)
+            if self._requests.get(req.rid) is served:
+                del self._requests[req.rid]
 
     async def _reap_silent_frontends(self) -> None:
         while True:
@@ -203,6 +217,52 @@ class WorkerServer:
 
     def _abort_frontend(self, ident: bytes) -> None:
         self._outboxes.pop(ident, None)
-        for owner, task in list(self._requests.values()):
-            if owner == ident:
-                task.cancel()
+        for rid, served in list(self._requests.items()):
+            if served.ident == ident:
+                self._cancel(rid)
+
+
+class _Served:
+    """One request being served: the engine's output sink (tandem.engines.base.OutputSink), which
+    turns outputs into deltas for the frontend that sent the request."""
+
+    __slots__ = ("server", "ident", "rid", "maker", "handle")
+
+    def __init__(self, server: WorkerServer, ident: bytes, rid: str, maker: DeltaMaker) -> None:
+        self.server = server
+        self.ident = ident
+        self.rid = rid
+        self.maker = maker
+        self.handle: StreamHandle | None = None
+
+    def deliver(self, out: EngineOutput) -> None:
+        """One output; raises EngineError when it is out of step with what was sent."""
+        delta = self.maker.make(out)
+        if delta is not None:
+            self.server._emit(self.ident, delta)
+        if out.finish_reason is not None:
+            self._done()
+
+    def put(self, out: EngineOutput) -> None:
+        """The fast path's delivery, from inside the engine's step: never raises into it."""
+        try:
+            self.deliver(out)
+        except EngineError as e:
+            if self.handle is not None:
+                self.handle.cancel()
+            self.fail(e)
+
+    def fail(self, err: EngineError) -> None:
+        if isinstance(err, EngineRequestError):
+            status = 400
+        else:
+            status = 500
+            log.error("%s: engine error: %s", self.rid, err)
+        self._done()
+        self.server._emit(self.ident, Delta(self.rid, self.maker.sent, [], "error", error=str(err),
+                                            status=status))
+
+    def _done(self) -> None:
+        requests = self.server._requests
+        if requests.get(self.rid) is self:
+            del requests[self.rid]

@@ -29,6 +29,9 @@ DELTA_WINDOW = 4
 # holds unprocessed, so its event loop passes stay short at thousands of streams.
 DELTA_BATCH = 128
 FRONTEND_SILENT_S = 10.0  # a frontend silent this long while owing credit: its requests are aborted
+# CPython's cyclic GC thresholds for frontend and workers (default 700, 10, 10): see
+# lifecycle.tune_gc.
+GC_THRESHOLDS = (50_000, 20, 100)
 ZMQ_HWM = 100_000  # messages; deltas are batched per step so this is generous
 # Router admission (DESIGN §3 "Backpressure accounting"). 0 = unlimited for the per-worker limits.
 ROUTER_POLICIES = ("least-loaded", "round-robin", "prefix")
