@@ -12,8 +12,10 @@ COLUMNS = [("concurrency", "conc"), ("requests", "req"), ("failed", "failed"),
            ("tokens_per_s", "tok/s"), ("below_peak_pct", "% below peak"),
            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("itl_p50_ms", "gap p50 ms"), ("itl_p99_ms", "gap p99 ms"),
+           ("chunks_per_token", "chunks/tok"),
            ("cpu_us_per_token", "CPU µs/tok (fe+workers)"),
            ("cpu_us_per_token_frontend", "of it frontend"),
+           ("cpu_us_per_chunk", "CPU µs/chunk"),
            ("client_cpu_us_per_token", "client µs/tok"), ("machine_busy_pct", "machine busy %")]
 
 

@@ -47,6 +47,7 @@ def summarize(level, spec: LoadSpec, expected: str | None) -> dict:
         "tokens_per_s": round(tokens / level.wall_s, 1) if level.wall_s else 0.0,
         "ttft_p50_ms": round(pct(ttft, 0.5) * 1e3, 2), "ttft_p99_ms": round(pct(ttft, 0.99) * 1e3, 2),
         "itl_p50_ms": round(pct(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 3),
+        "chunks": sum(r.content_chunks for r in good),
         "chunks_per_token": round(sum(r.content_chunks for r in good) / tokens, 3) if tokens else 0,
     }
 
@@ -89,6 +90,9 @@ async def sweep(args: argparse.Namespace, spec: LoadSpec, cluster) -> list[dict]
                                                              row["tokens"])
             row["cpu_us_per_token"] = _per_token(sum(after.values()) - sum(before.values()),
                                                  row["tokens"])
+            # Under load deltas merge and one SSE chunk carries several tokens: per chunk too.
+            row["cpu_us_per_chunk"] = _per_token(sum(after.values()) - sum(before.values()),
+                                                 row["chunks"])
         rows.append(row)
         print(_line(row), flush=True)
     peak = max(r["tokens_per_s"] for r in rows)

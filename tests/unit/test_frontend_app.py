@@ -247,9 +247,13 @@ async def test_deltas_already_here_go_out_in_one_chunk(pre: Preprocessor, interv
     async with client(make_app(pre, pool, stream_interval=interval)) as c:
         r = await c.post(CHAT, json={"messages": USER, "stream": True,
                                      "stream_options": {"include_usage": True}})
+        metrics = (await c.get("/metrics")).text
     evs = events(r.text)
     assert chat_texts(evs) == ["abcdef", "ghij"]
     assert evs[-2]["usage"]["completion_tokens"] == 10 and evs[-1] == "[DONE]"
+    # The merging shows: 10 tokens went out in 2 chunks.
+    assert "tandem_generation_tokens_total 10\n" in metrics
+    assert "tandem_stream_chunks_total 2\n" in metrics
 
 
 async def test_stop_string_ends_the_request_early(pre: Preprocessor) -> None:

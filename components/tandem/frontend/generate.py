@@ -137,6 +137,11 @@ class FrontendMetrics:
         self.prompt_tokens = r.counter("tandem_prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = r.counter("tandem_generation_tokens_total",
                                            "Completion tokens received from workers.")
+        self.stream_chunks = r.counter(
+            "tandem_stream_chunks_total",
+            "Streamed SSE chunks that carry text. generation_tokens_total over this is tokens "
+            "per chunk: above 1 when stream_interval asks for it or when the frontend lags and "
+            "merges the deltas that are already waiting (inter-token latency then grows).")
         self.finished = r.counter("tandem_request_success_total",
                                   "Generation requests finished, by finish reason.",
                                   ("finished_reason",))
@@ -222,6 +227,7 @@ async def _stream(stream: RequestStream, job: GenerationJob, ex: Exchange,
     failure: errors.TandemError | None = None
     head = b""  # the role chunk, sent with the first text
     n_deltas = 0
+    n_chunks = 0
     sent = False  # whether any text went out yet: the first text goes at once
     try:
         async with stream:
@@ -256,6 +262,7 @@ async def _stream(stream: RequestStream, job: GenerationJob, ex: Exchange,
                         if it.waiting():
                             pass  # the next delta is already here: it goes in the same chunk
                         elif buf and (not sent or buf_tokens >= interval):
+                            n_chunks += 1
                             await ex.body(head + enc.text("".join(buf)))
                             head = b""
                             sent = True
@@ -282,6 +289,7 @@ async def _stream(stream: RequestStream, job: GenerationJob, ex: Exchange,
                     failure = errors.TandemError(f"Internal server error: {type(e).__name__}")
     except BaseException as e:
         m.generation_tokens.inc(n_tokens)
+        m.stream_chunks.inc(n_chunks)
         m.errors.labels(_left_because(e)).inc()
         raise
     m.generation_tokens.inc(n_tokens)
@@ -291,6 +299,7 @@ async def _stream(stream: RequestStream, job: GenerationJob, ex: Exchange,
         return
     out = [head]
     text = "".join(buf)
+    m.stream_chunks.inc(n_chunks + bool(text))
     if failure is None:
         assert finish is not None
         out.append(enc.text(text, finish) if text else enc.finish(finish))

@@ -24,10 +24,10 @@ MOCK_DECODE_STEP_US = 0.0
 MOCK_DECODE_US_PER_SEQ = 0.0
 # Deltas messages a worker keeps in flight per frontend; past it, a request's new tokens are merged
 # into its waiting delta until the frontend gives credit back (tandem.worker.outbox).
-DELTA_WINDOW = 4
+DELTA_WINDOW = 2
 # Deltas per message besides first tokens (0 = no limit): with the window, it bounds what a frontend
 # holds unprocessed, so its event loop passes stay short at thousands of streams.
-DELTA_BATCH = 128
+DELTA_BATCH = 64
 FRONTEND_SILENT_S = 10.0  # a frontend silent this long while owing credit: its requests are aborted
 # CPython's cyclic GC thresholds for frontend and workers (default 700, 10, 10): see
 # lifecycle.tune_gc.
