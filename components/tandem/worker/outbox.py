@@ -74,12 +74,12 @@ class Outbox:
                 self._open[rid] = delta
         (self._first if delta.offset == 0 else self._rest).append(delta)
 
-    def take(self) -> list[Delta]:
-        """The next message: every waiting first token, then up to `batch` other deltas, oldest
-        first. Counted as one message in flight."""
+    def take(self, everything: bool = False) -> list[Delta]:
+        """The next message: every waiting first token, then up to `batch` other deltas (all of
+        them with `everything`), oldest first. Counted as one message in flight."""
         items, rest = self._first, self._rest
         self._first = []
-        n = len(rest) if not self.batch else min(len(rest), self.batch)
+        n = len(rest) if everything or not self.batch else min(len(rest), self.batch)
         if n == len(rest):
             items.extend(rest)
             self._rest = []

@@ -4,8 +4,8 @@ Per frontend it keeps an Outbox (tandem.worker.outbox): every delta produced whi
 runs one iteration is sent as ONE `Deltas` message on the next iteration, so the wire carries at
 most one message per engine step per frontend, never one per token; and at most `delta_window`
 messages are in flight to a frontend: while it owes credit, a request's new tokens merge into its
-waiting delta. A frontend that owes credit and stays silent past FRONTEND_SILENT_S is gone: its
-requests are aborted and its outbox dropped.
+waiting delta. A frontend that owes credit and stays silent past `frontend_silent_s` loses its
+requests: each ends with an error delta, sent at once with what its outbox held.
 
 Per request a `_Served` turns engine outputs into deltas. An engine with the fast path
 (`open_stream`) calls it from its own step; otherwise one task per request drives
@@ -31,7 +31,7 @@ from tandem.engines.base import (
     StreamHandle,
 )
 from tandem.runtime import protocol, transport
-from tandem.runtime.config import DRAIN_TIMEOUT_S, FRONTEND_SILENT_S, WorkerConfig
+from tandem.runtime.config import DRAIN_TIMEOUT_S, WorkerConfig
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.protocol import (
     Abort,
@@ -94,9 +94,7 @@ class WorkerServer:
         while (self._requests or any(self._outboxes.values())) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self._requests):
-            self._cancel(rid)
-        while self._requests and time.monotonic() < deadline + 2.0:
-            await asyncio.sleep(0.01)
+            self._cancel(rid)  # (run() awaits the tasks of engines without the fast path)
 
     # --- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -176,13 +174,14 @@ class WorkerServer:
 
     async def _reap_silent_frontends(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(min(1.0, self.cfg.frontend_silent_s / 4))
             now = time.monotonic()
             for ident, box in list(self._outboxes.items()):
-                if box.in_flight and now - box.last_heard > FRONTEND_SILENT_S:
-                    log.warning("frontend %r silent for over %.0fs while owing credit: aborting "
-                                "its requests", ident, FRONTEND_SILENT_S)
-                    self._abort_frontend(ident)
+                if box.in_flight and now - box.last_heard > self.cfg.frontend_silent_s:
+                    why = (f"the frontend was silent for over {self.cfg.frontend_silent_s:g}s "
+                           "while the worker held its tokens")
+                    log.warning("frontend %r: %s; aborting its requests", ident, why)
+                    self._abort_frontend(ident, why)
 
     # --- sending: one Deltas message per loop iteration per frontend, within its window ----------
     def _emit(self, ident: bytes, delta: Delta) -> None:
@@ -197,7 +196,9 @@ class WorkerServer:
     def _flush(self, force: bool = False) -> None:
         self._flush_scheduled = False
         for ident, box in list(self._outboxes.items()):
-            if box.can_send or (force and len(box)):
+            if force and len(box):
+                self._send(ident, Deltas(box.take(everything=True), self.engine.load()))
+            elif box.can_send:
                 self._send_box(ident, box)
             elif box.has_first:  # the window is full: first tokens go on their own
                 self._send(ident, Deltas(box.take_first(), self.engine.load()))
@@ -215,11 +216,19 @@ class WorkerServer:
             log.warning("frontend %r unreachable (%s): aborting its requests", ident, e)
             self._abort_frontend(ident)
 
-    def _abort_frontend(self, ident: bytes) -> None:
-        self._outboxes.pop(ident, None)
+    def _abort_frontend(self, ident: bytes, why: str = "") -> None:
+        """Stop every request of a frontend. With `why` it may still be there (silent, not gone):
+        each request ends with an error delta, and what its outbox holds goes out now, past the
+        window (ZMQ keeps it for a frontend that resumes; a gone one makes the send fail)."""
         for rid, served in list(self._requests.items()):
             if served.ident == ident:
                 self._cancel(rid)
+                if why:
+                    self._emit(ident, Delta(rid, served.maker.sent, [], "error", error=why,
+                                            status=503))
+        box = self._outboxes.pop(ident, None)
+        if why and box is not None and len(box):
+            self._send(ident, Deltas(box.take(everything=True), self.engine.load()))
 
 
 class _Served:

@@ -68,6 +68,7 @@ class WorkerConfig:
     mock_decode_us_per_seq: float = MOCK_DECODE_US_PER_SEQ  # mock engine only
     delta_window: int = DELTA_WINDOW
     delta_batch: int = DELTA_BATCH
+    frontend_silent_s: float = FRONTEND_SILENT_S
 
 
 @dataclass(frozen=True, slots=True)
