@@ -9,6 +9,7 @@ from tandem.engines.base import EngineOutput
 from tandem.frontend import sse
 from tandem.runtime import protocol as P
 from tandem.worker.deltas import DeltaMaker
+from tandem.worker.outbox import Outbox
 
 BATCH = 256
 
@@ -46,6 +47,24 @@ def test_delta_maker_make_incremental(benchmark):
 def _deltas() -> P.Deltas:
     return P.Deltas([P.Delta(f"req-{i:06d}", 17, [1000 + i]) for i in range(BATCH)],
                     P.Load(BATCH, 0, 1000, 4096, 0))
+
+
+def test_outbox_256_streams_four_steps_merged_into_one_message(benchmark):
+    """A frontend that owes credit: 4 engine steps of 256 streams go into the outbox (merging
+    into one delta per stream), then one message of them is taken."""
+    steps = [[P.Delta(f"req-{i:06d}", 17 + s, [1000 + s]) for i in range(BATCH)]
+             for s in range(4)]
+
+    def run() -> int:
+        box = Outbox(2, 0)
+        box.in_flight = 2  # the window is full
+        for step in steps:
+            for d in step:
+                box.add(P.Delta(d.rid, d.offset, list(d.token_ids)))
+        box.credit(1)
+        return len(box.take())
+
+    assert benchmark(run) == BATCH
 
 
 def test_protocol_encode_deltas_256(benchmark):

@@ -15,7 +15,7 @@ from tandem.router.policy import block_hashes
 from tandem.router.pool import RoutedStream, WorkerPool
 from tandem.runtime import errors
 from tandem.runtime.config import RouterConfig
-from tandem.runtime.protocol import Abort, Delta, Deltas, Generate, Load, LoadReport, Usage
+from tandem.runtime.protocol import Abort, Delta, Deltas, Generate, Generates, Load, LoadReport, Usage
 from tandem.runtime.protocol import SamplingParams, WorkerInfo
 
 PAGE = 4
@@ -34,6 +34,17 @@ def make_pool(roles: list[str], pages: int = 100, **router: object) -> WorkerPoo
         c.sent = []  # type: ignore[attr-defined]
         c._send = c.sent.append  # type: ignore[method-assign,attr-defined]
     return pool
+
+
+def generates(c: WorkerClient) -> list[list[int]]:
+    """The prompts of the requests sent to `c` (Generates batch a loop pass's requests)."""
+    out = []
+    for m in c.sent:  # type: ignore[attr-defined]
+        if isinstance(m, Generates):
+            out += [g.prompt_ids for g in m.items]
+        elif isinstance(m, Generate):
+            out.append(m.prompt_ids)
+    return out
 
 
 def worker_of(s: RoutedStream) -> str:
@@ -206,8 +217,9 @@ async def test_queue_is_bounded_and_wakes_in_fifo_order():
     finish(c, first.rid)
     await first.__aexit__(None, None, None)
     s2 = await asyncio.wait_for(second, 1)
+    await asyncio.sleep(0)  # the pass's Generates leave
     assert not third.done()
-    assert [m.prompt_ids for m in c.sent if isinstance(m, Generate)] == [[1], [2]]  # type: ignore
+    assert generates(c) == [[1], [2]]
     await s2.__aexit__(None, None, None)  # left early: aborted, and the third goes on
     s3 = await asyncio.wait_for(third, 1)
     assert s3.placed is not None and len(pool._admission) == 0
@@ -240,7 +252,8 @@ async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
     await first.__aexit__(None, None, None)
     s = await asyncio.wait_for(nxt, 1)
     assert s.placed is not None and c.num_in_flight == 1
-    assert [m.prompt_ids for m in c.sent if isinstance(m, Generate)] == [[1], [3]]  # type: ignore
+    await asyncio.sleep(0)
+    assert generates(c) == [[1], [3]]
 
 
 async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker():
@@ -254,7 +267,19 @@ async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert c.num_in_flight == 0 and c.active_decode_tokens == 0
-    assert isinstance(c.sent[-1], Abort)  # type: ignore[attr-defined]
+    assert generates(c) == [[1], [2]]  # its Generate left before it was cancelled ...
+    assert isinstance(c.sent[-1], Abort)  # type: ignore[attr-defined]  # ... so it is aborted
+
+
+async def test_a_request_placed_and_left_in_the_same_pass_never_reaches_the_worker():
+    pool = make_pool(["agg"])
+    c = pool.clients[0]
+    s = pool.open([1], SP)
+    await s.__aenter__()  # placed at once (no queue): nothing here yields to the loop
+    await s.__aexit__(None, None, None)  # before this loop pass ended: its Generate is still here
+    await asyncio.sleep(0)
+    assert generates(c) == [] and not c.sent  # type: ignore[attr-defined]
+    assert c.num_in_flight == 0 and c.active_decode_tokens == 0
 
 
 async def test_waiters_fail_fast_when_the_last_worker_goes_down():

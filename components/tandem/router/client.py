@@ -33,6 +33,7 @@ from tandem.runtime.protocol import (
     Delta,
     Deltas,
     Generate,
+    Generates,
     Hello,
     HelloReply,
     Load,
@@ -152,6 +153,7 @@ class WorkerClient:
         self._queries: dict[int, asyncio.Future[Load]] = {}
         self._up = asyncio.Event()
         self._credit = 0  # Deltas messages handed to their streams, not yet credited back
+        self._placed: dict[str, Generate] = {}  # requests placed in this loop pass, not yet sent
 
     @property
     def usable(self) -> bool:
@@ -182,9 +184,13 @@ class WorkerClient:
 
     # --- requests ---------------------------------------------------------------------------------
     def start_request(self, stream: RequestStream) -> None:
+        """Place the request here. Its Generate leaves with the others placed on this worker in
+        the same event loop pass, as one `Generates` message (one ZMQ send instead of many)."""
         if not self.usable:
             raise errors.Unavailable(f"worker {self.address} is {self.state}", retry_after=1.0)
-        self._send(stream._msg)
+        if not self._placed:
+            asyncio.get_running_loop().call_soon(self._send_placed)
+        self._placed[stream.rid] = stream._msg
         self.in_flight[stream.rid] = stream
         n = len(stream._msg.prompt_ids)
         role = self.info.role if self.info is not None else "agg"
@@ -198,9 +204,25 @@ class WorkerClient:
     def end_request(self, stream: RequestStream, abort: bool) -> None:
         self.in_flight.pop(stream.rid, None)
         self._settle(stream)
+        if self._placed.pop(stream.rid, None) is not None:
+            abort = False  # it never left: nothing to abort
         if abort and self.state == "up":
             self._send_quietly(Abort([stream.rid]))
         self.on_capacity()
+
+    def _send_placed(self) -> None:
+        placed, self._placed = self._placed, {}
+        if not placed:
+            return
+        try:
+            self._send(Generates(list(placed.values())))
+        except errors.Unavailable as e:  # past the high-water mark: the worker is not reading
+            for rid in placed:
+                s = self.in_flight.pop(rid, None)
+                if s is not None:
+                    self._settle(s)
+                    s.push(e)
+            self.on_capacity()
 
     def _settle(self, stream: RequestStream) -> None:
         self.pending_prefill_tokens -= stream.prefill_tokens
@@ -231,6 +253,7 @@ class WorkerClient:
             raise errors.Unavailable(f"worker {self.address} is not keeping up", retry_after=1.0)
 
     def _fail_all(self, err: errors.TandemError) -> None:
+        self._placed.clear()
         streams, self.in_flight = self.in_flight, {}
         for s in streams.values():
             self._settle(s)

@@ -39,6 +39,7 @@ from tandem.runtime.protocol import (
     Delta,
     Deltas,
     Generate,
+    Generates,
     Hello,
     HelloReply,
     LoadQuery,
@@ -108,6 +109,9 @@ class WorkerServer:
                     box.credit(msg.n)
                     if box.can_send:
                         self._send_box(ident, box)
+            elif isinstance(msg, Generates):
+                for g in msg.items:
+                    self._on_generate(ident, g)
             elif isinstance(msg, Generate):
                 self._on_generate(ident, msg)
             elif isinstance(msg, Abort):

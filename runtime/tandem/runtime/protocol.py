@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Credit (the worker's delta window per frontend)
+PROTOCOL_VERSION = 2  # 2: Credit (the worker's delta window per frontend), Generates
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -34,6 +34,7 @@ class MsgType(enum.IntEnum):
     LOAD_QUERY = 6
     LOAD_REPORT = 7
     CREDIT = 8
+    GENERATES = 9
     KV_HELLO = 16
     KV_HELLO_REPLY = 17
     KV_ROOM = 18
@@ -104,6 +105,12 @@ class Generate(_Msg):
     prompt_ids: list[int]
     sampling: SamplingParams
     bootstrap: Bootstrap | None = None
+
+
+class Generates(_Msg):
+    """The requests a frontend placed on one worker during one event loop pass, in one message."""
+
+    items: list[Generate]
 
 
 class Abort(_Msg):
@@ -217,6 +224,7 @@ TYPE_OF: dict[type, MsgType] = {
     Deltas: MsgType.DELTAS,
     LoadQuery: MsgType.LOAD_QUERY,
     Credit: MsgType.CREDIT,
+    Generates: MsgType.GENERATES,
     LoadReport: MsgType.LOAD_REPORT,
     KvHello: MsgType.KV_HELLO,
     KvHelloReply: MsgType.KV_HELLO_REPLY,
