@@ -8,6 +8,10 @@ step, and per running sequence), plus an optional fixed delay; with every cost z
 not at all and yields to the event loop once. The running batch is capped at `max_batch` and
 admission waits for pages, so the page budget and the batch cap shape latency as in a real engine.
 
+Outputs reach their consumer through `generate()` (an async iterator per request), or through
+the fast path `open_stream()` (tandem.engines.base): the step calls the worker's sink directly, with
+no task woken per request per step (at 2048 streams the wakeups were over half the worker's CPU).
+
 PD roles follow the same handoff protocol as the reference engine (tandem.kv.handoff), with a
 SimulatedMover instead of NIXL: the prefill side holds the prompt's pages until its "write" is done,
 the decode side reserves pages for the whole request and decodes from the first token on. A PD

@@ -3,9 +3,9 @@
 `run_generation` is the only code that loops over a request's deltas in the frontend: it feeds them
 to the request's detokenizer, coalesces streamed text by `stream_interval` (the first text at once,
 then every N tokens, always on finish; deltas that are already here when one is taken go out in
-the same chunk, so a frontend that lags writes fewer, fuller chunks), and writes SSE chunks or one aggregated JSON body. It leaves
-the `RequestStream` context as soon as a stop string completes, an error arrives or the client is
-gone — leaving early is what aborts the request on the worker.
+the same chunk, so a frontend that lags writes fewer, fuller chunks), and writes SSE chunks or one
+aggregated JSON body. It leaves the `RequestStream` context as soon as a stop string completes, an
+error arrives or the client is gone — leaving early is what aborts the request on the worker.
 
 Usage counts what the worker produced: `completion_tokens` is every token received, including
 those a stop string cut from the text.
