@@ -11,7 +11,6 @@ streamed token of frontend + workers (psutil CPU time deltas over each level).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import json
 import os

@@ -10,7 +10,6 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 from tandem.runtime import protocol, transport
 from tandem.runtime.protocol import Bootstrap, Deltas, Generate, SamplingParams
