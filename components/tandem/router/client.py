@@ -62,7 +62,7 @@ class RequestStream:
     StreamProtocolError). Leaving the context before the final delta aborts the request.
     """
 
-    __slots__ = ("rid", "_client", "_msg", "_items", "_wake", "received", "finished", "_opened",
+    __slots__ = ("rid", "_client", "_msg", "_items", "_waiter", "received", "finished", "_opened",
                  "_over", "prefill_tokens", "decode_tokens")
 
     def __init__(self, client: WorkerClient, msg: Generate) -> None:
@@ -70,7 +70,9 @@ class RequestStream:
         self._client = client
         self._msg = msg
         self._items: deque[Delta | errors.TandemError] = deque()
-        self._wake = asyncio.Event()
+        # The reader's future while it waits for an item (one reader: a bare future is enough,
+        # and cheaper per delta than an asyncio.Event).
+        self._waiter: asyncio.Future[None] | None = None
         self.received = 0
         self.finished = False  # the worker sent the final delta: nothing to abort
         self._opened = False
@@ -106,14 +108,18 @@ class RequestStream:
 
     def push(self, item: Delta | errors.TandemError) -> None:
         self._items.append(item)
-        self._wake.set()
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
 
     async def __anext__(self) -> Delta:
         if self._over:
             raise StopAsyncIteration
         while not self._items:
-            self._wake.clear()
-            await self._wake.wait()  # bounded by the worker heartbeat deadline
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter  # bounded by the worker heartbeat deadline
         item = self._items.popleft()
         if isinstance(item, errors.TandemError):
             self._over = True
