@@ -152,6 +152,18 @@ async def test_stream_interval_per_choice(pre: Preprocessor) -> None:
         assert "".join(c["text"] for c in chunks) == " a b c d e f g"
 
 
+async def test_deltas_already_waiting_merge_per_choice(pre: Preprocessor) -> None:
+    """A lagging frontend finds each choice's deltas waiting: one chunk per choice carries them."""
+    toks = pre.tokenizer.encode(" a b c d e f g", add_special_tokens=False).ids
+    pool = FakePool(script=lambda rid, ids, sp: deltas(rid, toks), burst=True)
+    async with client(make_app(pre, pool)) as c:
+        r = await c.post(COMPLETIONS, json={"prompt": "x", "n": 2, "stream": True})
+    evs = events(r.text)
+    for i in (0, 1):
+        chunks = [c for e in evs[:-1] for c in e["choices"] if c["index"] == i]
+        assert [(c["text"], c["finish_reason"]) for c in chunks] == [(" a b c d e f g", "length")]
+
+
 async def test_client_gone_cancels_and_aborts_every_choice(pre: Preprocessor) -> None:
     pool = FakePool(script=by_choice(pre, tail=[0.01] * 50 + [Hang()]))
     app = make_app(pre, pool)

@@ -79,10 +79,12 @@ class _Choice:
         out = self.out
         try:
             async with stream:
-                async for delta in stream:
+                it = stream.__aiter__()
+                async for delta in it:
                     if not out.first_at:
                         out.first_at = time.monotonic()
-                    if self._step(delta.token_ids, delta.finish_reason, delta.error, out):
+                    if self._step(delta.token_ids, delta.finish_reason, delta.error, out,
+                                  it.waiting()):
                         return
                 raise errors.EngineFailed(_NO_RESULT)
         except errors.TandemError as e:
@@ -91,8 +93,10 @@ class _Choice:
             log.exception("a choice of request %s failed", stream.rid)
             self._fail(errors.TandemError(f"Internal server error: {type(e).__name__}"), out)
 
-    def _step(self, ids: list[int], fin: str | None, error: str, out: _Outbox) -> bool:
-        """Take one delta; True once the choice is finished."""
+    def _step(self, ids: list[int], fin: str | None, error: str, out: _Outbox,
+              more: int = 0) -> bool:
+        """Take one delta; True once the choice is finished. With `more` deltas already waiting
+        the text stays buffered: they go out in the same chunk."""
         self.n_tokens += len(ids)
         self.buf_tokens += len(ids)
         if fin == "error":
@@ -114,7 +118,8 @@ class _Choice:
             out.finished += 1
             out.wake.set()
             return True
-        if enc is not None and self.buf and (not self.sent or self.buf_tokens >= self.interval):
+        if enc is not None and self.buf and not more and (
+                not self.sent or self.buf_tokens >= self.interval):
             out.put(self.head + enc.text("".join(self.buf)))
             self.head = b""
             self.sent = True
