@@ -34,7 +34,7 @@ class Outbox:
         if window < 1:
             raise ValueError("the delta window must be at least 1 message")
         if batch < 0:
-            raise ValueError("the delta batch must be at least 1 delta (0 = unlimited)")
+            raise ValueError("the delta batch must not be negative (0 = no limit)")
         self.window = window
         self.batch = batch  # deltas per message besides first tokens; 0 = all waiting
         self.in_flight = 0  # messages sent and not credited yet
