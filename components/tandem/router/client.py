@@ -330,7 +330,8 @@ class WorkerClient:
 
     def _give_credit(self) -> None:
         n, self._credit = self._credit, 0
-        self._send_quietly(Credit(n))
+        if self._sock is not None and not self._sock.closed:  # (closed: the frontend stopped)
+            self._send_quietly(Credit(n))
 
     def on_deltas(self, msg: Deltas) -> None:
         """Route each delta to its stream and account for it (the one loop over a step's deltas)."""
