@@ -41,6 +41,7 @@ from tandem.engines.base import (
 )
 from tandem.kv.handoff import DecodeSide, KvHandoffError, PrefillSide
 from tandem.kv.pages import PagePool
+from tandem.runtime.mailbox import Mailbox
 from tandem.runtime.protocol import FinishReason, Load, OutputMode
 
 log = logging.getLogger("tandem.engine")
@@ -88,32 +89,6 @@ class MockTiming:
         return cost
 
 
-class _Outputs:
-    """One request's outputs on their way to its one consumer: a deque and at most one waiter (an
-    asyncio.Queue does the same with more bookkeeping per item, and every step puts one item per
-    running request)."""
-
-    __slots__ = ("items", "_waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[EngineOutput] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, out: EngineOutput) -> None:
-        self.items.append(out)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    async def get(self) -> EngineOutput:
-        while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self.items.popleft()
-
-
 class _Stream:
     """The handle of a fast-path request: cancelling it aborts the request, wherever it is."""
 
@@ -135,7 +110,7 @@ class _Stream:
 @dataclass(eq=False, slots=True)
 class _Seq:
     req: EngineRequest
-    queue: _Outputs | OutputSink  # the consumer: generate()'s iterator, or a fast-path sink
+    queue: Mailbox[EngineOutput] | OutputSink  # the consumer: generate()'s iterator, or a fast-path sink
     budget: int  # completion tokens this request may produce
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
@@ -262,7 +237,7 @@ class MockEngine(Engine):
         return budget
 
     async def _agg(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
-        seq = _Seq(req, _Outputs(), self._budget(req))
+        seq = _Seq(req, Mailbox(), self._budget(req))
         self._waiting.append(seq)
         self._wake.set()
         async with contextlib.aclosing(self._outputs(seq)) as outs:
@@ -271,7 +246,7 @@ class MockEngine(Engine):
 
     async def _outputs(self, seq: _Seq) -> AsyncIterator[EngineOutput]:
         queue = seq.queue
-        assert isinstance(queue, _Outputs)
+        assert isinstance(queue, Mailbox)
         try:
             while True:
                 out = await queue.get()
@@ -339,7 +314,7 @@ class MockEngine(Engine):
         self.pool.commit(rid)
         return first
 
-    def _start_decoding(self, req: EngineRequest, queue: _Outputs | OutputSink, budget: int,
+    def _start_decoding(self, req: EngineRequest, queue: Mailbox[EngineOutput] | OutputSink, budget: int,
                         first: int) -> tuple[_Seq, EngineOutput]:
         """Join the batch after the handoff (or finish at once); the first token's output."""
         seq = _Seq(req, queue, budget, [first])
@@ -355,7 +330,7 @@ class MockEngine(Engine):
     async def _decode(self, req: EngineRequest, side: DecodeSide) -> AsyncIterator[EngineOutput]:
         budget = self._budget(req)
         first = await self._receive_kv(req, side, budget)
-        seq, out = self._start_decoding(req, _Outputs(), budget, first)
+        seq, out = self._start_decoding(req, Mailbox(), budget, first)
         try:
             yield out
         except BaseException:

@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -27,6 +26,7 @@ import zmq.utils.monitor
 from tandem.runtime import errors, protocol, transport
 from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
 from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.mailbox import Mailbox
 from tandem.runtime.protocol import (
     Abort,
     Credit,
@@ -62,17 +62,14 @@ class RequestStream:
     StreamProtocolError). Leaving the context before the final delta aborts the request.
     """
 
-    __slots__ = ("rid", "_client", "_msg", "_items", "_waiter", "received", "finished", "_opened",
-                 "_over", "prefill_tokens", "decode_tokens")
+    __slots__ = ("rid", "_client", "_msg", "_items", "received", "finished", "_opened", "_over",
+                 "prefill_tokens", "decode_tokens")
 
     def __init__(self, client: WorkerClient, msg: Generate) -> None:
         self.rid = msg.rid
         self._client = client
         self._msg = msg
-        self._items: deque[Delta | errors.TandemError] = deque()
-        # The reader's future while it waits for an item (one reader: a bare future is enough,
-        # and cheaper per delta than an asyncio.Event).
-        self._waiter: asyncio.Future[None] | None = None
+        self._items: Mailbox[Delta | errors.TandemError] = Mailbox()
         self.received = 0
         self.finished = False  # the worker sent the final delta: nothing to abort
         self._opened = False
@@ -107,20 +104,12 @@ class RequestStream:
         return len(self._items)
 
     def push(self, item: Delta | errors.TandemError) -> None:
-        self._items.append(item)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._items.put(item)
 
     async def __anext__(self) -> Delta:
         if self._over:
             raise StopAsyncIteration
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter  # bounded by the worker heartbeat deadline
-        item = self._items.popleft()
+        item = await self._items.get()  # bounded by the worker heartbeat deadline
         if isinstance(item, errors.TandemError):
             self._over = True
             raise item
