@@ -17,8 +17,8 @@ def _frontend_app() -> Any:
 
     from tandem.frontend.app import FrontendApp
     from tandem.frontend.preprocess import Preprocessor
-    from tandem.runtime.config import FrontendConfig
-    from tandem.runtime.protocol import Delta, WorkerInfo
+    from tandem.config import FrontendConfig
+    from tandem.runtime.wire import Delta, WorkerInfo
 
     model = Path(tempfile.mkdtemp(prefix="bench-model-"))
     tok = Tokenizer(models.BPE())  # byte-level BPE, as the tiny model's

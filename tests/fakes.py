@@ -12,7 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tandem.runtime import errors
-from tandem.runtime.protocol import Delta, SamplingParams, Usage, WorkerInfo
+from tandem.runtime.wire import Delta, SamplingParams, Usage, WorkerInfo
 
 
 class Hang:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tandem.runtime import config as C
+from tandem import config as C
 
 
 def _positive_int(text: str) -> int:

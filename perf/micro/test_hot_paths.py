@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from tandem.engines.base import EngineOutput
 from tandem.frontend import sse
-from tandem.runtime import protocol as P
+from tandem.runtime import wire as P
 from tandem.worker.deltas import DeltaMaker
 from tandem.worker.outbox import Outbox
 
@@ -111,7 +111,7 @@ def test_mock_engine_256_streams_of_64(benchmark, tmp_path):
 
     from tandem.engines.base import EngineRequest
     from tandem.engines.mock import MockEngine
-    from tandem.runtime.protocol import SamplingParams
+    from tandem.runtime.wire import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"vocab_size": 500, "max_position_embeddings": 256, "eos_token_id": 2}))

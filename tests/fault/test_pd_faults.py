@@ -11,8 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
-from tandem.runtime import protocol, transport
-from tandem.runtime.protocol import Bootstrap, Deltas, Generate, SamplingParams
+from tandem.runtime import wire, transport
+from tandem.runtime.wire import Bootstrap, Deltas, Generate, SamplingParams
 from tests.cluster import Cluster, free_port
 from tests.sse import Stream, StreamResult, completion
 
@@ -156,12 +156,13 @@ def test_transfer_past_its_deadline(tiny_model, tmp_path):
         c.stop()
 
 
-async def _send_direct(address: str, msg: Generate, timeout: float) -> protocol.Delta:
+async def _send_direct(address: str, msg: Generate, timeout: float) -> wire.Delta:
     sock = transport.dealer(address, b"test-frontend")
     try:
-        transport.send_nowait(sock, msg)
+        transport.send_nowait(sock, wire.Generates([msg]))
         while True:
-            reply = await asyncio.wait_for(transport.recv_dealer(sock), timeout)
+            parts = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            reply = wire.TO_FRONTEND.decode(parts[0], parts[1])
             if isinstance(reply, Deltas):
                 for d in reply.items:
                     if d.finish_reason is not None:

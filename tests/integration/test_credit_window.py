@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 
 from tandem.engines.mock import MockEngine, mock_token
-from tandem.runtime import protocol
-from tandem.runtime.config import WorkerConfig
-from tandem.runtime.protocol import Credit, Deltas, Generate, Hello, HelloReply, SamplingParams
+from tandem.runtime import wire
+from tandem.config import WorkerConfig
+from tandem.runtime.wire import Credit, Deltas, Generate, Hello, HelloReply, SamplingParams
 from tandem.worker.server import WorkerServer
 from tests.cluster import free_port
 
@@ -41,12 +41,12 @@ class Frontend:
         self.sock.setsockopt(zmq.IDENTITY, b"raw-frontend")
         self.sock.connect(address)
 
-    async def send(self, msg: protocol._Msg) -> None:
-        await self.sock.send_multipart(list(protocol.encode(msg)))
+    async def send(self, msg: wire._Tagged) -> None:
+        await self.sock.send_multipart(list(wire.encode(msg)))
 
-    async def recv(self, timeout: float = 5.0) -> protocol._Msg:
+    async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
         parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return protocol.decode(parts[0], parts[1])
+        return wire.TO_FRONTEND.decode(parts[0], parts[1])
 
     async def deltas(self, timeout: float) -> list[Deltas]:
         """Every Deltas message that arrives within `timeout` (other messages are skipped)."""
@@ -65,7 +65,7 @@ async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServ
     config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)  # type: ignore[arg-type]
     engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64, step_delay_s=0.002)
     await engine.start()
-    from tandem.runtime.protocol import WorkerInfo
+    from tandem.runtime.wire import WorkerInfo
 
     info = WorkerInfo("w", "agg", "mock", "m", 16, 1024, 4096)
     server = WorkerServer(config, engine, info)
@@ -73,7 +73,7 @@ async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServ
     task = asyncio.create_task(server.run(stop))
     fe = Frontend(f"tcp://127.0.0.1:{port}")
     try:
-        await fe.send(Hello(protocol.PROTOCOL_VERSION, "raw"))
+        await fe.send(Hello(wire.PROTOCOL_VERSION, "raw"))
         assert isinstance(await fe.recv(), HelloReply)
         yield server, fe
     finally:

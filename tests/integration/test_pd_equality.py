@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from tandem.router.pool import WorkerPool  # noqa: E402
-from tandem.runtime.protocol import SamplingParams  # noqa: E402
+from tandem.runtime.wire import SamplingParams  # noqa: E402
 from tests.cluster import Cluster, free_port  # noqa: E402
 
 PAGE = 16

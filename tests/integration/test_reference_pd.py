@@ -31,7 +31,7 @@ from tandem.engines.base import EngineError, EngineOutput, EngineRequest  # noqa
 from tandem.engines.reference import ReferenceEngine, write_tiny_model  # noqa: E402
 from tandem.kv.handoff import QUARANTINE_GRACE_S, DecodeSide, PrefillSide  # noqa: E402
 from tandem.kv.movers import NixlMover  # noqa: E402
-from tandem.runtime.protocol import Bootstrap, SamplingParams  # noqa: E402
+from tandem.runtime.wire import Bootstrap, SamplingParams  # noqa: E402
 
 HOST = "127.0.0.1"
 PAGE = 4

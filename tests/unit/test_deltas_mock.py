@@ -10,7 +10,7 @@ import pytest
 
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.mock import MockEngine
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 from tandem.worker.deltas import DeltaMaker
 
 
@@ -215,7 +215,7 @@ async def _close_pd(p, d):
 
 
 async def test_fast_path_decode_continues_the_prefill_exactly(mock_dir):
-    from tandem.runtime.protocol import Bootstrap
+    from tandem.runtime.wire import Bootstrap
 
     p, d = await _mock_pd(mock_dir)
     try:
@@ -235,7 +235,7 @@ async def test_fast_path_decode_continues_the_prefill_exactly(mock_dir):
 
 
 async def test_fast_path_decode_cancelled_during_the_handoff_frees_its_pages(mock_dir):
-    from tandem.runtime.protocol import Bootstrap
+    from tandem.runtime.wire import Bootstrap
 
     p, d = await _mock_pd(mock_dir, transfer_timeout_s=0.2)  # the quarantine is its + grace
     try:

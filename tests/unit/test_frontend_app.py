@@ -16,8 +16,8 @@ import pytest
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
-from tandem.runtime.config import FrontendConfig
-from tandem.runtime.protocol import Delta, SamplingParams
+from tandem.config import FrontendConfig
+from tandem.runtime.wire import Delta, SamplingParams
 from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
 
 CHAT = "/v1/chat/completions"

@@ -15,7 +15,7 @@ import pytest
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.server import HttpServer, make_server
-from tandem.runtime.config import FrontendConfig
+from tandem.config import FrontendConfig
 from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
 
 CHAT = "/v1/chat/completions"

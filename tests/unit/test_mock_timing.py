@@ -10,7 +10,7 @@ import time
 import pytest
 from tandem.engines.base import EngineRequest
 from tandem.engines.mock import MockEngine, MockTiming
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 
 
 @pytest.fixture

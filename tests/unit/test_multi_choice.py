@@ -12,7 +12,7 @@ import pytest
 
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
-from tandem.runtime.protocol import Delta, SamplingParams
+from tandem.runtime.wire import Delta, SamplingParams
 from tests.fakes import FakePool, Hang, Item, deltas, write_model_dir
 from tests.unit.test_frontend_app import COMPLETIONS, CHAT, client, events, make_app
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.runtime.protocol import Delta, Usage
+from tandem.runtime import wire
+from tandem.runtime.wire import Delta, Usage
 from tandem.worker.outbox import Outbox
 
 
@@ -48,7 +49,7 @@ def test_first_tokens_go_first_and_an_error_is_never_merged() -> None:
     box.add(Delta("old", 4, [1]))
     box.add(Delta("new", 0, [2]))
     box.add(Delta("old", 5, [3]))
-    box.add(Delta("old", 6, [], "error", error="engine failed", status=500))
+    box.add(Delta("old", 6, [], "error", error="engine failed", error_kind=wire.ErrorKind.ENGINE))
     items = box.take()
     assert [(d.rid, d.offset, d.token_ids, d.finish_reason) for d in items] == [
         ("new", 0, [2], None), ("old", 4, [1, 3], None), ("old", 6, [], "error")]
@@ -110,7 +111,7 @@ def workloads(draw: st.DrawFn) -> tuple[int, int, dict[str, list[Delta]], list[t
                              Usage(1, off + n) if last else None))
             off += n
         if ends_in_error:
-            out.append(Delta(rid, off, [], "error", error="boom", status=500))
+            out.append(Delta(rid, off, [], "error", error="boom", error_kind=wire.ErrorKind.ENGINE))
         reqs[rid] = out
     # Operations: ("add", request index) / ("take", 0) / ("credit", n).
     ops = draw(st.lists(st.one_of(
@@ -126,7 +127,7 @@ def test_nothing_is_lost_duplicated_or_reordered(
         w: tuple[int, int, dict[str, list[Delta]], list[tuple[str, int]]]) -> None:
     window, batch, reqs, ops = w
     pending = {rid: [Delta(d.rid, d.offset, list(d.token_ids), d.finish_reason, d.usage, d.error,
-                           d.status) for d in ds] for rid, ds in reqs.items()}
+                           d.error_kind) for d in ds] for rid, ds in reqs.items()}
     rids = list(pending)
     box = Outbox(window, batch)
     got: dict[str, list[Delta]] = {rid: [] for rid in rids}

@@ -16,7 +16,7 @@ import pytest
 
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.reference import ReferenceEngine, write_tiny_model
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 
 GREEDY = {"temperature": 0.0}
 PROMPT = [0, 5, 100, 200, 7, 900]

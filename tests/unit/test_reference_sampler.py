@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engines.reference.sampler import SampleRow, base_seed, draw_seed, sample
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 
 
 def test_draw_seed_is_a_pure_mix() -> None:

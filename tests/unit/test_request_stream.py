@@ -6,7 +6,7 @@ import pytest
 
 from tandem.router.client import RequestStream
 from tandem.runtime import errors
-from tandem.runtime.protocol import Abort, Delta, Generate, SamplingParams, Usage
+from tandem.runtime.wire import Abort, Delta, ErrorKind, Generate, SamplingParams, Usage
 
 
 class FakeClient:
@@ -55,13 +55,14 @@ async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset):
     assert isinstance(c.sent[-1], Abort)
 
 
-@pytest.mark.parametrize("status,cls", [(400, errors.BadRequest), (503, errors.Unavailable),
-                                        (500, errors.EngineFailed)])
-async def test_error_delta_maps_to_status(status, cls):
+@pytest.mark.parametrize("kind,cls", [(ErrorKind.BAD_REQUEST, errors.BadRequest),
+                                      (ErrorKind.DRAINING, errors.Unavailable),
+                                      (ErrorKind.ENGINE, errors.EngineFailed)])
+async def test_error_delta_maps_to_status(kind, cls):
     c = FakeClient()
     with pytest.raises(cls):
         async with stream(c) as s:
-            s.push(Delta("r", 0, [], "error", error="nope", status=status))
+            s.push(Delta("r", 0, [], "error", error="nope", error_kind=kind))
             async for _ in s:
                 pass
 

@@ -14,9 +14,9 @@ from tandem.router.pd import PDStream
 from tandem.router.policy import block_hashes
 from tandem.router.pool import RoutedStream, WorkerPool
 from tandem.runtime import errors
-from tandem.runtime.config import RouterConfig
-from tandem.runtime.protocol import Abort, Delta, Deltas, Generate, Generates, Load, LoadReport, Usage
-from tandem.runtime.protocol import SamplingParams, WorkerInfo
+from tandem.config import RouterConfig
+from tandem.runtime.wire import Abort, Delta, Deltas, Generate, Generates, Load, LoadReport, Usage
+from tandem.runtime.wire import SamplingParams, WorkerInfo
 
 PAGE = 4
 SP = SamplingParams(max_tokens=4)

@@ -24,9 +24,9 @@ from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.router.client import RequestStream
 from tandem.router.pool import WorkerPool
-from tandem.runtime import protocol
-from tandem.runtime.config import FrontendConfig
-from tandem.runtime.protocol import Delta, Deltas, Generate, SamplingParams, WorkerInfo
+from tandem.runtime import wire
+from tandem.config import FrontendConfig
+from tandem.runtime.wire import Delta, Deltas, Generate, SamplingParams, WorkerInfo
 from tandem.worker.deltas import DeltaMaker
 from tests.fakes import MULTILINGUAL_CORPUS, write_model_dir
 
@@ -59,7 +59,7 @@ def engine_outputs(ids: list[int], cuts: list[int], cumulative: bool,
 
 
 def worker_deltas(rid: str, plan: list[tuple[EngineOutput, list[int]]], cumulative: bool,
-                  wire: bool) -> list[Delta]:
+                  through_wire: bool) -> list[Delta]:
     maker = DeltaMaker(rid, "cumulative" if cumulative else "incremental")
     out: list[Delta] = []
     for o, live_now in plan:
@@ -68,8 +68,8 @@ def worker_deltas(rid: str, plan: list[tuple[EngineOutput, list[int]]], cumulati
         d = maker.make(o)
         if d is not None:
             out.append(d)
-    if wire:
-        msg = protocol.decode(*protocol.encode(Deltas(out)))
+    if through_wire:
+        msg = wire.TO_FRONTEND.decode(*wire.encode(Deltas(out)))
         assert isinstance(msg, Deltas)
         out = msg.items
     return out
@@ -194,7 +194,7 @@ def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
     assert evs[-2]["usage"]["completion_tokens"] == received
     if want_finish == "length":
         assert received == len(ids) * sc["n"]
-        assert h.client.in_flight == {} and not any(isinstance(m, protocol.Abort) for m in h.sent)
+        assert h.client.in_flight == {} and not any(isinstance(m, wire.Abort) for m in h.sent)
     assert h.client.protocol_errors == 0
 
 
@@ -225,8 +225,8 @@ def test_a_gap_or_overlap_fails_loudly_and_is_counted(pre: Preprocessor, n_token
     metric = [line for line in h.metrics().splitlines()
               if line.startswith("tandem_delta_protocol_errors_total{")]
     assert metric and float(metric[0].rsplit(" ", 1)[1]) == h.client.protocol_errors
-    aborted = {rid for m in h.sent if isinstance(m, protocol.Abort) for rid in m.rids}
-    left = {g.rid for m in h.sent if isinstance(m, protocol.Generates) for g in m.items}
+    aborted = {rid for m in h.sent if isinstance(m, wire.Abort) for rid in m.rids}
+    left = {g.rid for m in h.sent if isinstance(m, wire.Generates) for g in m.items}
     # Every choice left unfinished is aborted on the worker, unless its Generate never left (a
     # request placed and ended within one loop pass is never sent).
     assert aborted == {s.rid for s in h.streams} & left

@@ -1,38 +1,54 @@
-"""The engine contract every engine implements (DESIGN §3, "Engine interface").
+"""The one engine contract every engine implements (docs/architecture.md, "Engine contract").
 
-Lifecycle: `start()` once, then any number of concurrent `generate()` calls, `abort(rid)` at any
-time, `load()` for the router, and `shutdown()` (safe after a partial start and safe twice).
+Lifecycle: `start()` once; then any number of `submit(request, sink)` calls, each returning a
+`Handle`; `load()` for the router at any time; `shutdown()` at the end (safe after a partial or
+failed start, and safe twice).
 
-`generate(req)` is an async iterator of `EngineOutput`. Its `output_ids` are cumulative (all ids so
-far) or incremental (only new ids) as the engine's `output_mode` declares. The last output carries a
-`finish_reason`. If the consumer stops iterating early (aclose, cancellation), the engine frees the
-request's pages as if `abort(rid)` had been called. A request the engine cannot take raises
-`EngineRequestError` from the first `__anext__`, before any output.
+`submit(req, sink)`:
+- raises `EngineRequestError` at once for a request the engine cannot take (too long, bad
+  parameters, a role that needs a bootstrap and got none), and `EngineError` when it cannot take
+  work at all (not started, shut down); in both cases it holds nothing for the request;
+- otherwise returns a `Handle` and later delivers the request's outputs by calling
+  `sink.on_step(outputs)` on the event loop thread, from the engine's own step: ONE call per engine
+  step with every output of that step (of every request submitted with that sink), never a task or
+  a wakeup per request per token. It never calls the sink before `submit` has returned.
+- Each `EngineOutput` names its request (`rid`) and carries `output_ids`, cumulative (all ids so
+  far) or incremental (only the new ids) as the engine's `output_mode` declares, and the counts.
+  A request's last output has a `finish_reason`; a request that fails after submission ends with
+  one output whose `finish_reason` is "error" and whose `error` says why (an EngineError, or an
+  EngineRequestError when the request turned out to be unacceptable). Nothing follows the last
+  output.
 
-Fast path (optional): `open_stream(req, sink)` delivers the same outputs by calling `sink.put(out)`
-from the engine's own step on the event loop, with no task per request and no wakeup per output.
-An engine without it returns None and the caller iterates `generate()`; with it, the engine raises
-`EngineRequestError` at once for a request it cannot take, calls the sink only after
-`open_stream` returned, ends with one `put` carrying a `finish_reason` or one `sink.fail(error)`,
-and after `handle.cancel()` calls the sink no more and frees the request's pages as `abort` would.
+`handle.cancel()` ends a request: no output for it reaches the sink after the call, and its pages
+come back (at once, or, for pages a KV transfer may still write into, as soon as that is safe).
+Cancelling a finished or already cancelled request does nothing. It is the one way to end a
+request early; there is no `abort(rid)`.
+
+A request may carry `bootstrap = (host, port, room)` (disaggregated prefill/decode). The engine
+does the KV handoff itself, so the worker never touches KV: tandem's own engines through the one
+handoff state machine in `tandem.engines.pd`, SGLang through its own bootstrap server. A prefill
+engine's request ends (finish_reason "length", one output) once its KV has been written; a decode
+engine's outputs start with the first token the prefill side sampled. A prefill engine announces
+where decode engines reach it in `bootstrap_addr` (set by `start()`).
+
+An engine whose library only yields outputs per request (SGLang's `async_generate`) sits behind
+`tandem.engines.iterator.IteratorEngine`, which turns per-request iterators into `on_step` calls;
+it is the only place where per-request tasks exist.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem.runtime.protocol import Bootstrap, FinishReason, Load, OutputMode, SamplingParams
+from tandem.runtime.errors import EngineError, EngineRequestError
+from tandem.runtime.wire import Bootstrap, FinishReason, Load, OutputMode, SamplingParams
 
-
-class EngineError(Exception):
-    """The engine failed; the request cannot go on."""
-
-
-class EngineRequestError(EngineError):
-    """The request itself is unacceptable (too long, bad params). Maps to HTTP 400."""
+__all__ = [
+    "Engine", "EngineError", "EngineOutput", "EngineRequest", "EngineRequestError", "Handle",
+    "ModelSpec", "OutputSink",
+]
 
 
 @dataclass(slots=True)
@@ -45,11 +61,13 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class EngineOutput:
+    rid: str
     output_ids: list[int]
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: EngineError | None = None  # with finish_reason "error"
 
 
 @dataclass(slots=True)
@@ -63,36 +81,28 @@ class ModelSpec:
 
 
 class OutputSink(Protocol):
-    """Where an engine's fast path delivers one request's outputs (on the event loop)."""
+    """Where an engine delivers outputs: once per engine step, on the event loop thread."""
 
-    def put(self, out: EngineOutput) -> None: ...
-
-    def fail(self, err: EngineError) -> None: ...
+    def on_step(self, outputs: list[EngineOutput]) -> None: ...
 
 
-class StreamHandle(Protocol):
+class Handle(Protocol):
     def cancel(self) -> None: ...
 
 
 class Engine(abc.ABC):
     name: str = "base"
     output_mode: OutputMode = "cumulative"
-    page_size: int = 16
+    page_size: int = 0
     num_pages: int = 0
+    bootstrap_addr: str = ""  # prefill role: where decode engines reach this engine's KV handoff
     spec: ModelSpec
 
     @abc.abstractmethod
     async def start(self) -> None: ...
 
     @abc.abstractmethod
-    def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]: ...
-
-    def open_stream(self, req: EngineRequest, sink: OutputSink) -> StreamHandle | None:
-        """The fast path (see the module docstring); None = not for this engine or request."""
-        return None
-
-    @abc.abstractmethod
-    async def abort(self, rid: str) -> None: ...
+    def submit(self, req: EngineRequest, sink: OutputSink) -> Handle: ...
 
     @abc.abstractmethod
     def load(self) -> Load: ...

@@ -4,7 +4,7 @@ and only when chosen."""
 from __future__ import annotations
 
 from tandem.engines.base import Engine
-from tandem.runtime.config import WorkerConfig
+from tandem.config import WorkerConfig
 
 ENGINES = ("reference", "mock")
 

@@ -42,7 +42,7 @@ from tandem.engines.base import (
 from tandem.kv.handoff import DecodeSide, KvHandoffError, PrefillSide
 from tandem.kv.pages import PagePool
 from tandem.runtime.mailbox import Mailbox
-from tandem.runtime.protocol import FinishReason, Load, OutputMode
+from tandem.runtime.wire import FinishReason, Load, OutputMode
 
 log = logging.getLogger("tandem.engine")
 

@@ -28,8 +28,8 @@ from tandem.frontend.generate import (ChoiceSpec, ClientGone, Exchange, Frontend
                                       GenerationJob, Pool, run_generation)
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
-from tandem.runtime.config import FrontendConfig
-from tandem.runtime.protocol import WorkerInfo
+from tandem.config import FrontendConfig
+from tandem.runtime.wire import WorkerInfo
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -28,7 +28,7 @@ from tandem.frontend import sse
 from tandem.frontend.detokenizer import Detokenizer
 from tandem.runtime import errors
 from tandem.runtime.metrics import ITL_BUCKETS, TTFT_BUCKETS, Registry
-from tandem.runtime.protocol import Delta, SamplingParams, WorkerInfo
+from tandem.runtime.wire import Delta, SamplingParams, WorkerInfo
 
 log = logging.getLogger("tandem.frontend")
 _encode = msgspec.json.Encoder().encode

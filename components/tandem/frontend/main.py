@@ -7,7 +7,8 @@ import asyncio
 from tandem.frontend.server import serve
 from tandem.router.pool import WorkerPool
 from tandem.runtime import lifecycle
-from tandem.runtime.config import HELLO_TIMEOUT_S, FrontendConfig
+from tandem.runtime.config import HELLO_TIMEOUT_S
+from tandem.config import FrontendConfig
 
 
 def run_frontend(cfg: FrontendConfig) -> None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tandem.runtime import errors
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_N = 64

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from tandem.frontend.detokenizer import DetokenizerFactory
 from tandem.runtime import errors
-from tandem.runtime.config import FrontendConfig
+from tandem.config import FrontendConfig
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")

@@ -34,7 +34,7 @@ from typing import Literal, Protocol
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.generate import Pool
 from tandem.frontend.preprocess import Preprocessor
-from tandem.runtime.config import DRAIN_TIMEOUT_S, FrontendConfig
+from tandem.config import DRAIN_TIMEOUT_S, FrontendConfig
 
 Backend = Literal["uvicorn", "granian"]
 DEFAULT_BACKEND: Backend = "uvicorn"

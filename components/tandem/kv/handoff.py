@@ -25,9 +25,9 @@ from typing import Protocol
 import zmq
 import zmq.utils.monitor
 
-from tandem.runtime import protocol, transport
+from tandem.runtime import wire, transport
 from tandem.runtime.lifecycle import TaskGroup
-from tandem.runtime.protocol import (
+from tandem.runtime.wire import (
     Bootstrap,
     KvCancel,
     KvDone,
@@ -157,7 +157,7 @@ class PrefillSide:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        async for ident, msg in transport.router_messages(self._sock, log):
+        async for ident, msg in transport.router_messages(self._sock, wire.TO_PREFILL, log):
             if isinstance(msg, KvRoom):
                 peer = self._peers.get(ident)
                 r = self._room(msg.room)
@@ -176,8 +176,8 @@ class PrefillSide:
     def _on_hello(self, ident: bytes, msg: KvHello) -> None:
         assert self._sock is not None
         try:
-            if msg.version != protocol.PROTOCOL_VERSION:
-                raise ValueError(f"protocol version {msg.version} != {protocol.PROTOCOL_VERSION}")
+            if msg.version != wire.PROTOCOL_VERSION:
+                raise ValueError(f"protocol version {msg.version} != {wire.PROTOCOL_VERSION}")
             self._peers[ident] = self.mover.add_peer(msg.agent_metadata, msg.layout)
             reply = KvHelloReply(True, self.address)
         except Exception as e:
@@ -278,7 +278,7 @@ class DecodeSide:
             conn.rooms.pop(room, None)
             pending.release()
 
-    def _send(self, conn: _Conn, msg: protocol._Msg) -> None:
+    def _send(self, conn: _Conn, msg: wire._Msg) -> None:
         try:
             transport.send_nowait(conn.sock, msg)
         except zmq.ZMQError as e:
@@ -293,7 +293,7 @@ class DecodeSide:
             self._conns[address] = conn
             self._tasks.spawn(self._recv_loop(conn), name=f"kv-recv {address}")
             self._tasks.spawn(self._watch(conn), name=f"kv-watch {address}")
-            self._send(conn, KvHello(protocol.PROTOCOL_VERSION, self.name, self.mover.metadata(),
+            self._send(conn, KvHello(wire.PROTOCOL_VERSION, self.name, self.mover.metadata(),
                                      self.mover.kv_layout()))
         try:
             reply = await asyncio.wait_for(asyncio.shield(conn.hello), HELLO_TIMEOUT_S)
@@ -322,7 +322,7 @@ class DecodeSide:
 
     async def _recv_loop(self, conn: _Conn) -> None:
         try:
-            async for msg in transport.dealer_messages(conn.sock, log):
+            async for msg in transport.dealer_messages(conn.sock, wire.TO_DECODE, log):
                 if isinstance(msg, KvDone):
                     p = conn.rooms.get(msg.room)
                     if p is not None and not p.fut.done():

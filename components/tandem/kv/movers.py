@@ -12,7 +12,7 @@ from typing import Any
 
 from tandem.kv.handoff import KvHandoffError
 from tandem.kv.transfer_util import KvTransferError
-from tandem.runtime.protocol import KvLayout
+from tandem.runtime.wire import KvLayout
 
 
 class SimulatedMover:

@@ -42,7 +42,7 @@ from tandem.kv.transfer_util import (  # re-exported: this module's public API
     count_descriptors,
     prefault_host_memory,
 )
-from tandem.runtime.protocol import KvLayout  # the wire contract's layout
+from tandem.runtime.wire import KvLayout  # the wire contract's layout
 
 log = logging.getLogger(__name__)
 

@@ -23,15 +23,16 @@ from collections.abc import Callable
 import zmq
 import zmq.utils.monitor
 
-from tandem.runtime import errors, protocol, transport
+from tandem.runtime import errors, wire, transport
 from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.mailbox import Mailbox
-from tandem.runtime.protocol import (
+from tandem.runtime.wire import (
     Abort,
     Credit,
     Delta,
     Deltas,
+    ErrorKind,
     Generate,
     Generates,
     Hello,
@@ -49,9 +50,10 @@ def _nothing() -> None:
     pass
 
 
-_STATUS_ERRORS: dict[int, type[errors.TandemError]] = {
-    400: errors.BadRequest,
-    503: errors.Unavailable,
+_KIND_ERRORS: dict[ErrorKind, type[errors.TandemError]] = {
+    ErrorKind.BAD_REQUEST: errors.BadRequest,
+    ErrorKind.DRAINING: errors.Unavailable,
+    ErrorKind.FRONTEND_SILENT: errors.Unavailable,
 }
 
 
@@ -123,7 +125,7 @@ class RequestStream:
         if item.finish_reason is not None:
             self.finished = self._over = True
             if item.finish_reason == "error":
-                cls = _STATUS_ERRORS.get(item.status, errors.EngineFailed)
+                cls = _KIND_ERRORS.get(item.error_kind, errors.EngineFailed)  # type: ignore[arg-type]
                 raise cls(item.error or "the engine failed this request")
         return item
 
@@ -240,7 +242,7 @@ class WorkerClient:
             self._queries.pop(seq, None)
 
     # --- internals --------------------------------------------------------------------------------
-    def _send(self, msg: protocol._Msg) -> None:
+    def _send(self, msg: wire._Tagged) -> None:
         assert self._sock is not None
         try:
             transport.send_nowait(self._sock, msg)
@@ -264,7 +266,7 @@ class WorkerClient:
         self._fail_all(errors.WorkerLost(f"worker {self.address} stopped answering ({why})"))
 
     async def _heartbeat(self) -> None:
-        hello = Hello(protocol.PROTOCOL_VERSION, self.frontend_id.decode())
+        hello = Hello(wire.PROTOCOL_VERSION, self.frontend_id.decode())
         while True:
             if self.state == "up":
                 if self._unread():
@@ -293,7 +295,7 @@ class WorkerClient:
             self._sock.disable_monitor()
             mon.close(linger=0)
 
-    def _send_quietly(self, msg: protocol._Msg) -> None:
+    def _send_quietly(self, msg: wire._Tagged) -> None:
         try:
             self._send(msg)
         except errors.Unavailable:
@@ -304,7 +306,7 @@ class WorkerClient:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        async for msg in transport.dealer_messages(self._sock, log):
+        async for msg in transport.dealer_messages(self._sock, wire.TO_FRONTEND, log):
             self.last_seen = time.monotonic()
             if isinstance(msg, Deltas):
                 self.on_deltas(msg)

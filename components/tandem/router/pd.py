@@ -14,7 +14,7 @@ import contextlib
 
 from tandem.router.client import RequestStream, WorkerClient
 from tandem.runtime import errors
-from tandem.runtime.protocol import Bootstrap, Delta, Generate
+from tandem.runtime.wire import Bootstrap, Delta, Generate
 
 
 class PDStream:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from tandem.runtime.protocol import Load
+from tandem.runtime.wire import Load
 
 
 class Candidate(Protocol):

@@ -21,8 +21,8 @@ from tandem.router.client import RequestStream, WorkerClient
 from tandem.router.pd import PDStream, bootstrap_of
 from tandem.router.policy import make_policy
 from tandem.runtime import errors
-from tandem.runtime.config import DEFAULT_PAGE_SIZE, RETRY_AFTER_S, RouterConfig
-from tandem.runtime.protocol import Delta, Generate, SamplingParams, WorkerInfo
+from tandem.config import DEFAULT_PAGE_SIZE, RETRY_AFTER_S, RouterConfig
+from tandem.runtime.wire import Delta, Generate, SamplingParams, WorkerInfo
 
 Placed = RequestStream | PDStream
 

@@ -9,7 +9,7 @@ delta carries its offset; `offset + len(token_ids) == completion_tokens` is chec
 from __future__ import annotations
 
 from tandem.engines.base import EngineError, EngineOutput
-from tandem.runtime.protocol import Delta, OutputMode, Usage
+from tandem.runtime.wire import Delta, OutputMode, Usage
 
 
 class DeltaMaker:

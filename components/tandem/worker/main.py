@@ -11,8 +11,8 @@ from tandem.engines.base import Engine
 from tandem.engines.factory import make_engine
 from tandem.kv.handoff import DecodeSide, KvMover, PrefillSide
 from tandem.runtime import lifecycle
-from tandem.runtime.config import WorkerConfig
-from tandem.runtime.protocol import WorkerInfo
+from tandem.config import WorkerConfig
+from tandem.runtime.wire import WorkerInfo
 from tandem.worker.server import WorkerServer
 
 log = logging.getLogger("tandem.worker")

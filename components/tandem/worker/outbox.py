@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from tandem.runtime.protocol import Delta
+from tandem.runtime.wire import Delta
 
 
 class Outbox:

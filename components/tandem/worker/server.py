@@ -30,14 +30,15 @@ from tandem.engines.base import (
     EngineRequestError,
     StreamHandle,
 )
-from tandem.runtime import protocol, transport
-from tandem.runtime.config import DRAIN_TIMEOUT_S, WorkerConfig
+from tandem.runtime import wire, transport
+from tandem.config import DRAIN_TIMEOUT_S, WorkerConfig
 from tandem.runtime.lifecycle import TaskGroup
-from tandem.runtime.protocol import (
+from tandem.runtime.wire import (
     Abort,
     Credit,
     Delta,
     Deltas,
+    ErrorKind,
     Generate,
     Generates,
     Hello,
@@ -100,7 +101,7 @@ class WorkerServer:
     # --- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        async for ident, msg in transport.router_messages(self._sock, log):
+        async for ident, msg in transport.router_messages(self._sock, wire.TO_WORKER, log):
             box = self._outboxes.get(ident)
             if box is not None:
                 box.last_heard = time.monotonic()
@@ -112,8 +113,6 @@ class WorkerServer:
             elif isinstance(msg, Generates):
                 for g in msg.items:
                     self._on_generate(ident, g)
-            elif isinstance(msg, Generate):
-                self._on_generate(ident, msg)
             elif isinstance(msg, Abort):
                 for rid in msg.rids:
                     self._cancel(rid)
@@ -121,25 +120,25 @@ class WorkerServer:
                 self._send(ident, LoadReport(msg.seq, self.engine.load()))
             elif isinstance(msg, Hello):
                 self._on_hello(ident, msg)
-            else:
-                log.warning("unexpected %s from a frontend", type(msg).__name__)
 
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
         box = self._outboxes.get(ident)
         if box is not None:
             box.reset()  # a new connection: credit owed on the old one will not come
-        if msg.version != protocol.PROTOCOL_VERSION:
-            err = f"protocol version {msg.version} != worker's {protocol.PROTOCOL_VERSION}"
-            self._send(ident, HelloReply(protocol.PROTOCOL_VERSION, False, None, err))
+        if msg.version != wire.PROTOCOL_VERSION:
+            err = f"protocol version {msg.version} != worker's {wire.PROTOCOL_VERSION}"
+            self._send(ident, HelloReply(wire.PROTOCOL_VERSION, False, None, err))
             return
-        self._send(ident, HelloReply(protocol.PROTOCOL_VERSION, True, self.info))
+        self._send(ident, HelloReply(wire.PROTOCOL_VERSION, True, self.info))
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         if self._draining:
-            self._emit(ident, Delta(msg.rid, 0, [], "error", error="worker is draining", status=503))
+            self._emit(ident, Delta(msg.rid, 0, [], "error", error="worker is draining",
+                                        error_kind=ErrorKind.DRAINING))
             return
         if msg.rid in self._requests:
-            self._emit(ident, Delta(msg.rid, 0, [], "error", error="duplicate request id", status=400))
+            self._emit(ident, Delta(msg.rid, 0, [], "error", error="duplicate request id",
+                                        error_kind=ErrorKind.DUPLICATE))
             return
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
         served = _Served(self, ident, req.rid, DeltaMaker(req.rid, self.engine.output_mode))
@@ -210,7 +209,7 @@ class WorkerServer:
     def _send_box(self, ident: bytes, box: Outbox) -> None:
         self._send(ident, Deltas(box.take(), self.engine.load()))
 
-    def _send(self, ident: bytes, msg: protocol._Msg) -> None:
+    def _send(self, ident: bytes, msg: wire._Tagged) -> None:
         assert self._sock is not None
         try:
             transport.send_nowait(self._sock, msg, ident)
@@ -229,7 +228,7 @@ class WorkerServer:
                 self._cancel(rid)
                 if why:
                     self._emit(ident, Delta(rid, served.maker.sent, [], "error", error=why,
-                                            status=503))
+                                            error_kind=ErrorKind.FRONTEND_SILENT))
         box = self._outboxes.pop(ident, None)
         if why and box is not None and len(box):
             self._send(ident, Deltas(box.take(everything=True), self.engine.load()))
@@ -267,13 +266,13 @@ class _Served:
 
     def fail(self, err: EngineError) -> None:
         if isinstance(err, EngineRequestError):
-            status = 400
+            kind = ErrorKind.BAD_REQUEST
         else:
-            status = 500
+            kind = ErrorKind.ENGINE
             log.error("%s: engine error: %s", self.rid, err)
         self._done()
         self.server._emit(self.ident, Delta(self.rid, self.maker.sent, [], "error", error=str(err),
-                                            status=status))
+                                            error_kind=kind))
 
     def _done(self) -> None:
         requests = self.server._requests

@@ -63,3 +63,17 @@ class StreamProtocolError(TandemError):
     status = 500
     type = "protocol_error"
     code = "delta_offset_mismatch"
+
+
+class EngineError(TandemError):
+    """The engine failed; the request cannot go on."""
+
+    status = 500
+    type = "engine_error"
+
+
+class EngineRequestError(EngineError):
+    """The request itself is unacceptable (too long, bad params). Maps to HTTP 400."""
+
+    status = 400
+    type = "invalid_request_error"

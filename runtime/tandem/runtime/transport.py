@@ -1,29 +1,36 @@
 """ZMQ transport: one context per process, ROUTER on workers, DEALER on frontends, and framing.
 
-A message on the wire is `[identity,] type byte, payload` (protocol.encode/decode). Sockets never
-linger on close, have high-water marks, and refuse frames over protocol.MAX_MESSAGE_BYTES.
+A message on the wire is `[identity,] type byte, payload` (wire.encode, and one wire.Decoder per
+socket). Sockets never linger on close, have high-water marks, and refuse frames over
+wire.MAX_MESSAGE_BYTES. A frame that does not decode is dropped, counted in `bad_messages` (by
+socket kind) and logged at most once a second: no bytes a peer sends can end a receive loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import zmq
 import zmq.asyncio
 
-from tandem.runtime import protocol
+from tandem.runtime import wire
 from tandem.runtime.config import ZMQ_HWM
 
-T = TypeVar("T")
+M = TypeVar("M")
 
 _ctx: zmq.asyncio.Context | None = None
 
 # Awaiting a receive on a socket that already holds a message does not yield to the event loop, so
 # a receive loop yields on purpose every RECV_BATCH messages: a busy peer cannot starve the rest.
 RECV_BATCH = 64
+# Frames dropped because they did not decode, by decoder name ("worker", "frontend", ...).
+bad_messages: Counter[str] = Counter()
+_last_bad_log = 0.0
 
 
 def context() -> zmq.asyncio.Context:
@@ -38,7 +45,7 @@ def _configure(sock: zmq.asyncio.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
     sock.setsockopt(zmq.RCVHWM, ZMQ_HWM)
-    sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES + 1024)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
 
 
 def router(bind: str) -> zmq.asyncio.Socket:
@@ -62,12 +69,12 @@ def dealer(connect: str, identity: bytes) -> zmq.asyncio.Socket:
     return sock
 
 
-def frames(msg: protocol._Msg, identity: bytes | None = None) -> list[bytes]:
-    t, payload = protocol.encode(msg)
+def frames(msg: wire._Tagged, identity: bytes | None = None) -> list[bytes]:
+    t, payload = wire.encode(msg)
     return [identity, t, payload] if identity is not None else [t, payload]
 
 
-def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, identity: bytes | None = None) -> None:
+def send_nowait(sock: zmq.asyncio.Socket, msg: wire._Tagged, identity: bytes | None = None) -> None:
     """Queue a message without awaiting: ZMQ keeps order; past the high-water mark this raises
     zmq.Again rather than growing memory without bound, and an unroutable identity raises
     EHOSTUNREACH. (pyzmq's asyncio socket tries a NOBLOCK send at once and reports the outcome in
@@ -79,41 +86,50 @@ def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, identity: bytes | 
             raise exc
 
 
-async def recv_router(sock: zmq.asyncio.Socket) -> tuple[bytes, protocol._Msg]:
-    """Receive one message on a ROUTER socket. Raises protocol.ProtocolError on bad frames."""
-    parts = await sock.recv_multipart()
-    if len(parts) != 3:
-        raise protocol.ProtocolError(f"expected 3 frames, got {len(parts)}")
-    return parts[0], protocol.decode(parts[1], parts[2])
+def _dropped(decoder: wire.Decoder[M], err: Exception, log: logging.Logger) -> None:
+    global _last_bad_log
+    bad_messages[decoder.name] += 1
+    now = time.monotonic()
+    if now - _last_bad_log >= 1.0:
+        _last_bad_log = now
+        log.warning("dropped a bad message (%d on %s sockets so far): %s",
+                    bad_messages[decoder.name], decoder.name, err)
 
 
-async def recv_dealer(sock: zmq.asyncio.Socket) -> protocol._Msg:
-    parts = await sock.recv_multipart()
-    if len(parts) != 2:
-        raise protocol.ProtocolError(f"expected 2 frames, got {len(parts)}")
-    return protocol.decode(parts[0], parts[1])
-
-
-async def _fair(recv: Callable[[zmq.asyncio.Socket], Awaitable[T]], sock: zmq.asyncio.Socket,
-                log: logging.Logger) -> AsyncIterator[T]:
+async def router_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
+                          log: logging.Logger) -> AsyncIterator[tuple[bytes, M]]:
+    """Every (identity, message) arriving on a ROUTER socket, fairly: bad frames are counted,
+    logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages."""
     n = 0
     while True:
         n += 1
         if n % RECV_BATCH == 0:
             await asyncio.sleep(0)
+        parts = await sock.recv_multipart()
         try:
-            yield await recv(sock)
-        except protocol.ProtocolError as e:
-            log.warning("dropped a bad message: %s", e)
+            if len(parts) != 3:
+                raise wire.ProtocolError(f"{decoder.name}: expected 3 frames, got {len(parts)}")
+            msg = decoder.decode(parts[1], parts[2])
+        except wire.ProtocolError as e:
+            _dropped(decoder, e, log)
+            continue
+        yield parts[0], msg
 
 
-def router_messages(sock: zmq.asyncio.Socket, log: logging.Logger
-                    ) -> AsyncIterator[tuple[bytes, protocol._Msg]]:
-    """Every (identity, message) arriving on a ROUTER socket, fairly: bad frames are logged and
-    dropped, and the loop yields every RECV_BATCH messages."""
-    return _fair(recv_router, sock, log)
-
-
-def dealer_messages(sock: zmq.asyncio.Socket, log: logging.Logger) -> AsyncIterator[protocol._Msg]:
+async def dealer_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
+                          log: logging.Logger) -> AsyncIterator[M]:
     """Every message arriving on a DEALER socket, fairly (as router_messages)."""
-    return _fair(recv_dealer, sock, log)
+    n = 0
+    while True:
+        n += 1
+        if n % RECV_BATCH == 0:
+            await asyncio.sleep(0)
+        parts = await sock.recv_multipart()
+        try:
+            if len(parts) != 2:
+                raise wire.ProtocolError(f"{decoder.name}: expected 2 frames, got {len(parts)}")
+            msg = decoder.decode(parts[0], parts[1])
+        except wire.ProtocolError as e:
+            _dropped(decoder, e, log)
+            continue
+        yield msg

@@ -44,7 +44,7 @@ from tandem.engines.reference.stream import Emit as _Emit
 from tandem.engines.reference.stream import Stream as _Stream
 from tandem.kv.handoff import DecodeSide, PrefillSide
 from tandem.kv.pages import PagePool
-from tandem.runtime.protocol import Load, OutputMode, SamplingParams
+from tandem.runtime.wire import Load, OutputMode, SamplingParams
 
 DEFAULT_KV_BYTES = 1 << 30  # num_pages=0 sizes the cache for max_batch full contexts, within this
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # prompt tokens prefilled in one step (at least one prompt)

@@ -32,7 +32,7 @@ from tandem.engines.reference.scheduler import Scheduler, Sequence, SeqStatus
 from tandem.engines.reference.stream import Emit, Stream, race
 from tandem.kv.handoff import DecodeSide, KvHandoffError, PrefillSide
 from tandem.kv.pages import PagePool
-from tandem.runtime.protocol import Bootstrap
+from tandem.runtime.wire import Bootstrap
 
 
 def _ended(emit: Emit, prompt_tokens: int) -> EngineOutput:

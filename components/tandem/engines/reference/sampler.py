@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.runtime.protocol import SamplingParams
+from tandem.runtime.wire import SamplingParams
 
 GREEDY_BELOW = 1e-5
 _M64 = (1 << 64) - 1

@@ -23,7 +23,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 from tandem.kv.pages import PagePool
-from tandem.runtime.protocol import FinishReason, SamplingParams
+from tandem.runtime.wire import FinishReason, SamplingParams
 
 
 class SeqStatus(enum.Enum):

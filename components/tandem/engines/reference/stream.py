@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engines.reference.scheduler import Sequence
-from tandem.runtime.protocol import FinishReason
+from tandem.runtime.wire import FinishReason
 
 
 @dataclass(slots=True)

@@ -1,0 +1,278 @@
+"""The wire contract between tandem processes: every message that crosses a socket is defined here.
+
+Messages are grouped by who receives them, as tagged unions (`ToWorker`, `ToFrontend`,
+`ToPrefill`, `ToDecode`); each socket has ONE typed decoder for its receiver's union, so a worker
+socket cannot even decode a `KvDone`. Frames are `[identity,] type byte, payload`: the type byte is
+the message's tag, so a message routes before it is decoded; the payload is msgpack (msgspec,
+`array_like`, the tag as its first element) and must carry the same tag. No pickle anywhere.
+
+Untrusted bytes only ever meet `Decoder.decode`, which turns every failure (bad msgpack, wrong
+schema, invalid UTF-8, a number out of range, a mismatched or unknown tag, an oversized payload)
+into one `ProtocolError`. An error on the wire is an `ErrorKind`, never an HTTP status: the
+frontend alone maps kinds to statuses.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Generic, Literal, TypeVar, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 3  # 3: tagged unions per receiver, ErrorKind on deltas
+# Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+Role = Literal["agg", "prefill", "decode"]
+OutputMode = Literal["cumulative", "incremental"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ErrorKind(enum.IntEnum):
+    """Why a request failed, as the worker knows it. The frontend maps each to an HTTP status."""
+
+    ENGINE = 1  # the engine failed the request
+    BAD_REQUEST = 2  # the request itself is unacceptable (too long, bad parameters)
+    DRAINING = 3  # the worker is shutting down and takes no new work
+    FRONTEND_SILENT = 4  # the frontend owed credit and stayed silent: its requests were ended
+    KV_TRANSFER = 5  # the KV handoff of a PD request failed (timeout, peer gone)
+    DUPLICATE = 6  # a request id already in flight on this worker
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _Tagged(_Msg, tag_field="t"):
+    """A message that travels on its own (has a tag); plain _Msg structs only travel inside one."""
+
+
+class SamplingParams(_Msg, frozen=True):
+    """What the engine needs to sample one sequence. Defaults here are the only defaults."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class Bootstrap(_Msg, frozen=True):
+    """Where a prefill worker's bootstrap socket is, and which room this request is."""
+
+    host: str
+    port: int
+    room: int
+
+
+class WorkerInfo(_Msg):
+    name: str
+    role: Role
+    engine: str
+    model: str
+    page_size: int
+    pages_total: int
+    max_context: int
+    output_mode: OutputMode = "cumulative"
+    bootstrap_addr: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Load(_Msg):
+    """A worker's own report of how busy it is."""
+
+    running: int = 0
+    waiting: int = 0
+    pages_free: int = 0
+    pages_total: int = 0
+    pages_reserved: int = 0
+
+
+class Usage(_Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Generate(_Msg):
+    """One request, as an item of `Generates`."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    bootstrap: Bootstrap | None = None
+
+
+class Delta(_Msg):
+    """New tokens of one request. `offset` is how many completion tokens came before these ones;
+    the receiver refuses a gap or an overlap. A delta with `finish_reason` is the request's last;
+    with finish_reason "error", `error_kind` says why and `error` says it in words."""
+
+    rid: str
+    offset: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str = ""
+    error_kind: ErrorKind | None = None
+
+
+class KvLayout(_Msg, frozen=True):
+    """What a peer needs to address a worker's KV pages (page-major: page i is the contiguous byte
+    range [base_addr + i * page_bytes, + page_bytes))."""
+
+    base_addr: int
+    page_bytes: int
+    num_pages: int
+    mem: str = "DRAM"
+    device: int = 0
+
+
+# --- to a worker (from a frontend) -----------------------------------------------------------------
+
+
+class Hello(_Tagged, tag=1):
+    version: int
+    frontend_id: str
+
+
+class Generates(_Tagged, tag=9):
+    """The requests a frontend placed on one worker during one event loop pass, in one message."""
+
+    items: list[Generate]
+
+
+class Abort(_Tagged, tag=4):
+    rids: list[str]
+
+
+class LoadQuery(_Tagged, tag=6):
+    seq: int
+
+
+class Credit(_Tagged, tag=8):
+    """The frontend handed the deltas of `n` more `Deltas` messages to their streams: the worker
+    may send `n` more (tandem.worker.outbox)."""
+
+    n: int
+
+
+# --- to a frontend (from a worker) -----------------------------------------------------------------
+
+
+class HelloReply(_Tagged, tag=2):
+    version: int
+    ok: bool
+    info: WorkerInfo | None = None
+    error: str = ""
+
+
+class Deltas(_Tagged, tag=5):
+    """Every delta one engine step produced for one frontend: one message per step, not per token."""
+
+    items: list[Delta]
+    load: Load | None = None
+
+
+class LoadReport(_Tagged, tag=7):
+    seq: int
+    load: Load
+
+
+# --- to a prefill worker's bootstrap socket (from a decode worker) --------------------------------
+
+
+class KvHello(_Tagged, tag=16):
+    """Once per peer: who I am and where my pages are."""
+
+    version: int
+    decode_name: str
+    agent_metadata: bytes
+    layout: KvLayout
+
+
+class KvRoom(_Tagged, tag=18):
+    """Write the KV of `room`'s prompt into these pages of mine."""
+
+    room: int
+    pages: list[int]
+
+
+class KvCancel(_Tagged, tag=19):
+    """The room's request was aborted on the decode side."""
+
+    room: int
+
+
+# --- to a decode worker's bootstrap connection (from a prefill worker) ----------------------------
+
+
+class KvHelloReply(_Tagged, tag=17):
+    ok: bool
+    prefill_name: str = ""
+    error: str = ""
+
+
+class KvDone(_Tagged, tag=20):
+    """The room's KV is in place (ok) with the first sampled token, or not."""
+
+    room: int
+    ok: bool
+    first_token: int = -1
+    error: str = ""
+
+
+ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]
+ToFrontend = Union[HelloReply, Deltas, LoadReport]
+ToPrefill = Union[KvHello, KvRoom, KvCancel]
+ToDecode = Union[KvHelloReply, KvDone]
+
+
+class ProtocolError(Exception):
+    """A peer sent bytes that do not decode against the receiver's schema."""
+
+
+M = TypeVar("M")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _Tagged) -> tuple[bytes, bytes]:
+    """Return `(type byte, payload)` for one message."""
+    return _TAG_BYTES[type(msg)], _encoder.encode(msg)
+
+
+class Decoder(Generic[M]):
+    """One socket's decoder: only its receiver's messages decode; anything else is a
+    ProtocolError (never another exception type, whatever the bytes)."""
+
+    def __init__(self, union: object, name: str) -> None:
+        self.name = name
+        self._dec: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(union)  # type: ignore[arg-type]
+
+    def decode(self, type_byte: bytes, payload: bytes) -> M:
+        if len(type_byte) != 1:
+            raise ProtocolError(f"{self.name}: bad type frame of {len(type_byte)} bytes")
+        if len(payload) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"{self.name}: message too large")
+        try:
+            msg = self._dec.decode(payload)
+        except Exception as e:  # msgspec raises DecodeError/ValidationError, and more on odd input
+            raise ProtocolError(f"{self.name}: undecodable message: {e}") from None
+        if _TAG_BYTES[type(msg)] != type_byte:
+            raise ProtocolError(f"{self.name}: type byte {type_byte[0]} does not match the payload")
+        return msg
+
+
+_TAG_BYTES: dict[type, bytes] = {
+    c: bytes([c.__struct_config__.tag])  # type: ignore[misc]
+    for c in (Hello, Generates, Abort, LoadQuery, Credit, HelloReply, Deltas, LoadReport,
+              KvHello, KvRoom, KvCancel, KvHelloReply, KvDone)
+}
+
+TO_WORKER: Decoder[ToWorker] = Decoder(ToWorker, "worker")
+TO_FRONTEND: Decoder[ToFrontend] = Decoder(ToFrontend, "frontend")
+TO_PREFILL: Decoder[ToPrefill] = Decoder(ToPrefill, "bootstrap")
+TO_DECODE: Decoder[ToDecode] = Decoder(ToDecode, "decode")
