@@ -1,4 +1,4 @@
-"""The one engine contract every engine implements (docs/architecture.md, "Engine contract").
+"""The one engine contract every engine implements (ARCHITECTURE.md, "Engine contract").
 
 Lifecycle: `start()` once; then any number of `submit(request, sink)` calls, each returning a
 `Handle`; `load()` for the router at any time; `shutdown()` at the end (safe after a partial or
