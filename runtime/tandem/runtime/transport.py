@@ -18,12 +18,13 @@ from typing import TypeVar
 import zmq
 import zmq.asyncio
 
-from tandem.runtime import wire
+from tandem.runtime import auth, wire
 from tandem.runtime.config import ZMQ_HWM
 
 M = TypeVar("M")
 
 _ctx: zmq.asyncio.Context | None = None
+_keys: auth.ClusterKeys | None = None
 
 # Awaiting a receive on a socket that already holds a message does not yield to the event loop, so
 # a receive loop yields on purpose every RECV_BATCH messages: a busy peer cannot starve the rest.
@@ -41,6 +42,13 @@ def context() -> zmq.asyncio.Context:
     return _ctx
 
 
+def use_keys(keys: auth.ClusterKeys | None) -> None:
+    """Authenticate every socket this process makes from now on with the cluster keys
+    (tandem.runtime.auth); None = loopback only (binding elsewhere is refused)."""
+    global _keys
+    _keys = keys
+
+
 def _configure(sock: zmq.asyncio.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
@@ -50,8 +58,11 @@ def _configure(sock: zmq.asyncio.Socket) -> None:
 
 def router(bind: str) -> zmq.asyncio.Socket:
     """A worker's socket: many frontends talk to it, each known by its identity."""
+    auth.require_for(bind, _keys)
     sock = context().socket(zmq.ROUTER)
     _configure(sock)
+    if _keys is not None:
+        auth.make_server(sock, _keys)
     # Sending to a frontend that is gone raises EHOSTUNREACH instead of dropping silently.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.bind(bind)
@@ -63,6 +74,8 @@ def dealer(connect: str, identity: bytes) -> zmq.asyncio.Socket:
     sock = context().socket(zmq.DEALER)
     _configure(sock)
     sock.setsockopt(zmq.IDENTITY, identity)
+    if _keys is not None:
+        auth.make_client(sock, _keys)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     sock.connect(connect)
