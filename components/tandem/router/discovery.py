@@ -233,7 +233,7 @@ class Discovery:
         targets = list(self._names)
         results = await asyncio.gather(*(self._resolve_one(t) for t in targets))
         new = set(self._static)
-        for target, got in zip(targets, results):
+        for target, got in zip(targets, results, strict=True):
             state = self._names[target]
             if got is not None:
                 state.addresses = got
