@@ -1,5 +1,6 @@
-# The two commands: `make demo` (a local cluster on the reference engine, streaming one answer)
-# and `make test`. Each creates and fills .venv on first use.
+# The two commands: `make demo` (a 1P1D cluster on the reference engine, streaming one answer)
+# and `make test` (the whole suite, mypy and the repository checks included; .ci/run is the same
+# in CI). Each creates and fills .venv on first use.
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,7 +8,7 @@ PORT   ?= 8000
 MODEL  ?= models/tiny
 # A CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
-# NIXL wheels declare an unpinned torch dependency: install them without deps (DESIGN §5).
+# NIXL wheels declare an unpinned torch dependency: install them without deps.
 NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
 
 .PHONY: demo test venv clean
@@ -27,8 +28,11 @@ $(BIN)/.ready: pyproject.toml Makefile
 $(MODEL)/config.json: | $(BIN)/.ready
 	$(BIN)/tandem model init $(MODEL)
 
+# One prefill and one decode worker hand the KV over NIXL; UCX stays on loopback (TCP, CMA).
 demo: $(BIN)/.ready $(MODEL)/config.json
-	$(BIN)/tandem up --model $(MODEL) --engine reference --workers 1 --port $(PORT) --demo
+	UCX_TLS=tcp,cma UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN \
+	$(BIN)/tandem up --model $(MODEL) --engine reference --prefill 1 --decode 1 --port $(PORT) \
+		--log-level WARNING --demo
 
 test: $(BIN)/.ready
 	$(BIN)/python -m pytest -q -p no:cacheprovider

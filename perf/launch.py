@@ -1,38 +1,37 @@
-"""Start a mock-engine cluster for a sweep: workers and a frontend as child processes on free
-loopback ports, known by PID, stopped by PID (SIGTERM, a deadline, then SIGKILL). Their CPU time
-(psutil, all threads) is what CPU-µs per streamed token is measured from."""
+"""Start a mock-engine cluster for a sweep, through the one local-cluster launcher
+(tandem.launcher): workers and a frontend as child processes on free loopback ports, known by PID,
+stopped by PID (SIGTERM, a deadline, then SIGKILL). Their CPU time (psutil, all threads) is what
+CPU-µs per streamed token is measured from."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
+
+from tandem.launcher import LocalCluster, Shape, plan
 
 SHAPES = ("agg", "1p1d")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Launched:
-    url: str
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    cluster: LocalCluster
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """Each process by name: agg, prefill, decode, frontend."""
+        return {name: p.popen for name, p in self.cluster.procs.items()}
 
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds (user + system, all threads) each process has used so far."""
@@ -43,61 +42,21 @@ class Launched:
         return out
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(5)
-
-
-def _spawn(argv: list[str], log_dir: str, name: str) -> subprocess.Popen[bytes]:
-    with open(os.path.join(log_dir, f"{name}.log"), "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=log,
-                                stderr=subprocess.STDOUT)
+        self.cluster.stop(timeout_s)
 
 
 def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
            frontend_args: list[str], ready_timeout_s: float = 60.0) -> Launched:
     """A frontend over one agg worker, or over one prefill and one decode worker."""
     os.makedirs(log_dir, exist_ok=True)
-    port = free_port()
-    out = Launched(f"http://127.0.0.1:{port}")
-    roles = ["agg"] if shape == "agg" else ["prefill", "decode"]
-    addrs = []
+    quiet = ["--log-level", "WARNING"]
+    p = plan(Shape.parse(shape), model, worker_args=["--engine", "mock", *quiet, *worker_args],
+             frontend_args=[*quiet, *frontend_args])
+    out = Launched(LocalCluster(p, log_dir=log_dir))
     try:
-        for role in roles:
-            wport = free_port()
-            extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
-            out.procs[role] = _spawn(["worker", "--role", role, "--engine", "mock", "--model", model,
-                                      "--port", str(wport), "--log-level", "WARNING", *extra,
-                                      *worker_args], log_dir, role)
-            addrs.append(f"tcp://127.0.0.1:{wport}")
-        out.procs["frontend"] = _spawn(["frontend", "--model", model, "--workers", ",".join(addrs),
-                                        "--port", str(port), "--log-level", "WARNING",
-                                        *frontend_args], log_dir, "frontend")
-        _wait_ready(out, ready_timeout_s)
+        out.cluster.start()
+        out.cluster.wait_ready(ready_timeout_s)
     except BaseException:
         out.stop()
         raise
     return out
-
-
-def _wait_ready(c: Launched, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dead = [n for n, p in c.procs.items() if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{', '.join(dead)} exited during start")
-        try:
-            with urllib.request.urlopen(c.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"cluster at {c.url} not ready in {timeout_s:.0f}s")

@@ -25,6 +25,7 @@ import psutil
 from perf.client import Connection
 from perf.launch import SHAPES, launch
 from perf.load import LoadSpec, check, print_progress, run, run_level
+from tandem.config import served_name
 
 
 def pct(sorted_xs: list[float], q: float) -> float:
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         url = args.url
     host, port = url.removeprefix("http://").rstrip("/").split(":")
-    spec = LoadSpec(host, int(port), api=args.api, model=os.path.basename(args.model.rstrip("/")),
+    spec = LoadSpec(host, int(port), api=args.api, model=served_name(args.model),
                     max_tokens=args.max_tokens, stream_interval=args.stream_interval)
     meta = {"argv": sys.argv, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "launch": args.launch,
             "api": args.api, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),

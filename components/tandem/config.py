@@ -1,87 +1,317 @@
-"""Every component default lives here, once: worker, frontend and router configs as frozen
-dataclasses built from CLI flags (tandem.cli)."""
+"""Every component default and its help, once: the frozen dataclasses the processes run from.
+
+A field's `default` is the default and its `metadata` is the rest of what the `tandem` command needs
+to offer it as a flag (`tandem.flags` builds the parsers from these fields; nothing else declares a
+flag, a default or a help text):
+
+- `help`: one line, what the value means (the parser appends the default);
+- `flag`: the flag's spelling, when it is not `--` plus the field name with `-` for `_`;
+- `type`: a converter from text (raises ValueError with a message a user can act on);
+- `choices`: the values allowed, or a function returning them (read when a parser is built);
+- `required`: the flag must be given;
+- `cli: False`: the field is set by code (the launcher, engine passthrough), never by a flag.
+
+The chain: `Common` (what every process takes) -> `WorkerConfig` (with the mock engine's knobs,
+`MockTiming`, as a section of their own) / `FrontendConfig` (with a nested `RouterConfig`) /
+`UpConfig` (`tandem up`'s own flags; the worker and frontend flags it forwards come from the two
+configs above). The runtime's own defaults (sockets, heartbeats, GC) are in `tandem.runtime.config`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_WORKER_PORT = 7100
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_MAX_TOKENS = 16
-DRAIN_TIMEOUT_S = 10.0  # on SIGTERM, in-flight requests get this long to finish
-KV_TRANSFER_TIMEOUT_S = 30.0  # one NIXL write of a request's pages, from start to all bytes in place
-KV_ROOM_TIMEOUT_S = 60.0  # prefill side: how long a request waits for its decode side's pages
-KV_DONE_TIMEOUT_S = 120.0  # decode side: how long a request waits for its KV (queue+prefill+write)
-# Mock engine timing model (all zero = overhead runs): a prefill costs this per prompt token
-# admitted in a step; a decode step costs a fixed part plus a part per running sequence.
-MOCK_PREFILL_US_PER_TOKEN = 0.0
-MOCK_DECODE_STEP_US = 0.0
-MOCK_DECODE_US_PER_SEQ = 0.0
-# Deltas messages a worker keeps in flight per frontend; past it, a request's new tokens are merged
-# into its waiting delta until the frontend gives credit back (tandem.worker.outbox).
-DELTA_WINDOW = 2
-# Deltas per message besides first tokens (0 = no limit): with the window, it bounds what a frontend
-# holds unprocessed, so its event loop passes stay short at thousands of streams.
-DELTA_BATCH = 64
-FRONTEND_SILENT_S = 10.0  # a frontend silent this long while owing credit: its requests are aborted
-# Router admission (DESIGN §3 "Backpressure accounting"). 0 = unlimited for the per-worker limits.
-ROUTER_POLICIES = ("least-loaded", "round-robin", "prefix")
-DEFAULT_ROUTER_POLICY = "least-loaded"
-MAX_INFLIGHT_PER_WORKER = 4096  # requests the router keeps on one worker at once
-MAX_PENDING_PREFILL_TOKENS_PER_WORKER = 0  # prompt tokens sent to a worker, first delta not back
-MAX_QUEUE = 4096  # requests waiting in the router for a worker; past this: 503 at once
-QUEUE_TIMEOUT_S = 30.0  # a queued request still without a worker after this long: 503
+import msgspec
+
+from tandem.runtime.wire import OutputMode, Role, SamplingParams
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+HttpServer = Literal["uvicorn", "granian"]
+RouterPolicy = Literal["least-loaded", "round-robin", "prefix"]
+
+ROLES: tuple[Role, ...] = ("agg", "prefill", "decode")
+OUTPUT_MODES: tuple[OutputMode, ...] = ("cumulative", "incremental")
+LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
+HTTP_SERVERS: tuple[HttpServer, ...] = ("uvicorn", "granian")
+ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("least-loaded", "round-robin", "prefix")
+PASSTHROUGH_ENGINES = ("sglang",)  # engines whose own flags pass through `tandem worker` untouched
+
 RETRY_AFTER_S = 1.0  # what a 503 from the router tells the client to wait
-PREFIX_CACHE_BLOCKS = 65_536  # prefix policy: block hashes remembered (LRU), per role
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    role: str = "agg"
-    engine: str = "reference"
-    model: str = ""
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_WORKER_PORT
-    page_size: int = DEFAULT_PAGE_SIZE
-    num_pages: int = 0  # 0 = engine default
-    max_batch: int = 64
-    device: str = "cpu"
-    output_mode: str = "cumulative"
-    step_delay_ms: float = 0.0  # mock engine only
-    name: str = ""
-    bootstrap_port: int = 0  # prefill role: the port of the KV bootstrap socket
-    kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
-    kv_room_timeout_s: float = KV_ROOM_TIMEOUT_S
-    kv_done_timeout_s: float = KV_DONE_TIMEOUT_S
-    kv_bytes_per_s: float = 0.0  # mock engine only: simulated transfer rate (0 = instant)
-    mock_prefill_us_per_token: float = MOCK_PREFILL_US_PER_TOKEN  # mock engine only
-    mock_decode_step_us: float = MOCK_DECODE_STEP_US  # mock engine only
-    mock_decode_us_per_seq: float = MOCK_DECODE_US_PER_SEQ  # mock engine only
-    delta_window: int = DELTA_WINDOW
-    delta_batch: int = DELTA_BATCH
-    frontend_silent_s: float = FRONTEND_SILENT_S
+# Converters: text from the command line -> a value, or ValueError saying what is wrong.
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
 
 
-@dataclass(frozen=True, slots=True)
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError(f"port {value} is out of range (1-65535)")
+    return value
+
+
+def port_or_zero(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"port {value} is out of range (0-65535, 0 = none)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise ValueError(f"must be more than 0, got {value:g}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value:g}")
+    return value
+
+
+def model_dir(text: str) -> str:
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise ValueError(f"{text!r} is not a model directory (no config.json); create a tiny one "
+                         f"with `tandem model init {text}`")
+    return text
+
+
+def address_list(text: str) -> tuple[str, ...]:
+    addrs = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not addrs:
+        raise ValueError("needs at least one address, e.g. tcp://127.0.0.1:7100")
+    return addrs
+
+
+def engine_names() -> tuple[str, ...]:
+    """The engines a worker can run: `tandem.engines.factory.ENGINES`, read when a parser is built
+    (imported here, not at module level, since the factory imports this module)."""
+    from tandem.engines.factory import ENGINES
+
+    return tuple(ENGINES)
+
+
+def served_name(model: str) -> str:
+    """The model name clients send when none is configured: the model directory's name as given
+    (`.` is the current directory's name; a symlink keeps its own name)."""
+    return os.path.basename(os.path.abspath(model)) or "model"
+
+
+def opt(default: Any, help: str, *, flag: str = "", type: Callable[[str], Any] | None = None,
+        choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
+        required: bool = False, cli: bool = True, metavar: str = "") -> Any:
+    """A dataclass field carrying its flag's metadata (see the module docstring)."""
+    meta: dict[str, Any] = {"help": help, "cli": cli, "required": required}
+    for key, value in (("flag", flag), ("type", type), ("choices", choices), ("metavar", metavar)):
+        if value:
+            meta[key] = value
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed in a config")
+    return field(default=default, metadata=meta)
+
+
+def _wire_default(struct: type[msgspec.Struct], name: str) -> Any:
+    for f in msgspec.structs.fields(struct):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Common:
+    """flags every process takes"""
+
+    model: str = opt("", "model checkpoint directory (HF layout: config.json, weights, tokenizer)",
+                     type=model_dir, required=True, metavar="DIR")
+    host: str = opt("127.0.0.1", "address to bind")
+    log_level: LogLevel = opt("INFO", "log level of the process", choices=LOG_LEVELS)
+    drain_timeout_s: float = opt(10.0, "on SIGTERM, seconds in-flight requests get to finish "
+                                 "before they are ended", flag="--drain-timeout",
+                                 type=non_negative_float)
+
+
+@dataclass(frozen=True)
+class MockTiming:
+    """mock engine only: its timing model (all 0 = runtime-overhead runs)"""
+
+    step_delay_ms: float = opt(0.0, "a fixed delay per engine step, in ms",
+                               type=non_negative_float)
+    mock_prefill_us_per_token: float = opt(0.0, "prefill cost in µs per prompt token admitted in "
+                                           "a step", type=non_negative_float)
+    mock_decode_step_us: float = opt(0.0, "fixed cost in µs of a decode step",
+                                     type=non_negative_float)
+    mock_decode_us_per_seq: float = opt(0.0, "decode step cost in µs per running sequence",
+                                        type=non_negative_float)
+    kv_bytes_per_s: float = opt(0.0, "simulated KV transfer rate in bytes/s (0 = instant)",
+                                type=non_negative_float)
+
+
+@dataclass(frozen=True)
+class WorkerConfig(MockTiming, Common):
+    """worker flags"""
+
+    role: Role = opt("agg", "agg: prefill and decode in this worker; prefill: compute prompts' KV "
+                     "and hand it to decode workers; decode: receive KV and generate", choices=ROLES)
+    engine: str = opt("reference", "reference: a small Llama in torch (CPU or CUDA); mock: no "
+                      "compute, deterministic tokens, for overhead and scale runs; sglang: SGLang "
+                      "(its own flags pass through)", choices=engine_names)
+    port: int = opt(7100, "port of the worker's ZMQ socket (frontends connect here)", type=port)
+    advertise_host: str = opt("", "address other processes reach this worker at; prefill "
+                              "bootstrap and NIXL peers use it (default: the bind host)")
+    bootstrap_port: int = opt(0, "prefill role: port of the KV bootstrap socket decode workers "
+                              "connect to (required for --role prefill)", type=port_or_zero)
+    health_port: int = opt(0, "port of the HTTP probe server (/live, /health; 0 = none)",
+                           type=port_or_zero)
+    name: str = opt("", "worker name in /workers (default: role-engine-port-pid)")
+    page_size: int = opt(16, "tokens per KV page", type=positive_int)
+    num_pages: int = opt(0, "KV pages per worker (0 = enough for --max-batch full contexts)",
+                         type=non_negative_int)
+    max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
+                         type=positive_int)
+    device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
+    output_mode: OutputMode = opt("cumulative", "how the engine reports token ids: all so far "
+                                  "(cumulative, SGLang's default) or only new ones",
+                                  choices=OUTPUT_MODES)
+    kv_transfer_timeout_s: float = opt(30.0, "PD: seconds one KV transfer may take before it "
+                                       "fails", flag="--kv-transfer-timeout", type=positive_float)
+    kv_room_timeout_s: float = opt(60.0, "PD, prefill side: seconds a request waits for its "
+                                   "decode worker's pages", flag="--kv-room-timeout",
+                                   type=positive_float)
+    kv_done_timeout_s: float = opt(120.0, "PD, decode side: seconds a request waits for its KV "
+                                   "(queue + prefill + write)", flag="--kv-done-timeout",
+                                   type=positive_float)
+    delta_window: int = opt(2, "delta messages a worker keeps in flight to each frontend; while "
+                            "the frontend owes credit, a request's new tokens merge into one "
+                            "waiting delta", type=positive_int)
+    delta_batch: int = opt(64, "most deltas in one message to a frontend besides first tokens; "
+                           "the rest wait, oldest first, merging (0 = no limit)",
+                           type=non_negative_int)
+    frontend_silent_s: float = opt(10.0, "a frontend silent this long while it owes credit gets "
+                                   "its requests ended", flag="--frontend-silent-timeout",
+                                   type=positive_float)
+    engine_args: tuple[str, ...] = opt((), "the engine's own flags, passed through untouched",
+                                       cli=False)
+
+    def __post_init__(self) -> None:
+        if self.role == "prefill" and not self.bootstrap_port:
+            raise ValueError("--role prefill needs --bootstrap-port")
+        if self.engine_args and self.engine not in PASSTHROUGH_ENGINES:
+            raise ValueError(f"unrecognized arguments: {' '.join(self.engine_args)} (only "
+                             f"--engine {'/'.join(PASSTHROUGH_ENGINES)} takes engine flags; "
+                             f"--engine {self.engine} takes none)")
+
+    @property
+    def reach_host(self) -> str:
+        """The address other processes use to reach this worker."""
+        return self.advertise_host or self.host
+
+
+@dataclass(frozen=True)
 class RouterConfig:
-    policy: str = DEFAULT_ROUTER_POLICY
-    max_inflight_per_worker: int = MAX_INFLIGHT_PER_WORKER
-    max_pending_prefill_tokens_per_worker: int = MAX_PENDING_PREFILL_TOKENS_PER_WORKER
-    max_queue: int = MAX_QUEUE
-    queue_timeout_s: float = QUEUE_TIMEOUT_S
-    prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS
+    """router flags: placement and admission (0 = unlimited for the per-worker limits)"""
+
+    policy: RouterPolicy = opt("least-loaded", "how the router picks a worker within a role: "
+                               "least-loaded, round-robin, or prefix (the worker that last served "
+                               "the longest shared prompt prefix)", flag="--router-policy",
+                               choices=ROUTER_POLICIES)
+    max_inflight_per_worker: int = opt(4096, "most requests the router keeps on one worker; more "
+                                       "wait in the router's queue (0 = unlimited)",
+                                       type=non_negative_int)
+    max_pending_prefill_tokens_per_worker: int = opt(0, "most prompt tokens waiting for their "
+                                                     "prefill on one worker (0 = unlimited)",
+                                                     type=non_negative_int)
+    max_queue: int = opt(4096, "most requests waiting in the router for a worker; past it "
+                         "requests get 503 at once", type=non_negative_int)
+    queue_timeout_s: float = opt(30.0, "seconds a request may wait in the router's queue before "
+                                 "it gets 503", flag="--queue-timeout", type=positive_float)
+    prefix_cache_blocks: int = opt(65_536, "prefix policy: prompt block hashes remembered (LRU), "
+                                   "per role", type=positive_int)
 
 
-@dataclass(frozen=True, slots=True)
-class FrontendConfig:
-    model: str = ""
-    served_model_name: str = ""
-    workers: tuple[str, ...] = ()
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_HTTP_PORT
-    stream_interval: int = 1
-    http_server: str = "uvicorn"  # or "granian"; see components/tandem/frontend/server.py
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
-    router: RouterConfig = RouterConfig()
+@dataclass(frozen=True)
+class FrontendConfig(Common):
+    """frontend flags"""
+
+    port: int = opt(8000, "HTTP port", type=port)
+    workers: tuple[str, ...] = opt((), "comma-separated worker addresses: tcp://HOST:PORT, or "
+                                   "dns://NAME:PORT for every address a DNS name resolves to",
+                                   type=address_list, required=True, metavar="ADDR[,ADDR...]")
+    served_model_name: str = opt("", "model name clients send (default: the model directory's "
+                                 "name)")
+    stream_interval: int = opt(1, "send streamed tokens every N tokens (first token at once; a "
+                               "request may override with `stream_interval`)", type=positive_int)
+    default_max_tokens: int = opt(_wire_default(SamplingParams, "max_tokens"),
+                                  "max_tokens of a request that does not set it",
+                                  type=positive_int)
+    http_server: HttpServer = opt("uvicorn", "HTTP server under the ASGI app: uvicorn+httptools "
+                                  "(fewest CPU-µs per token) or granian's embedded server",
+                                  choices=HTTP_SERVERS)
+    reuse_port: bool = opt(False, "bind the HTTP port with SO_REUSEPORT, so that several frontend "
+                           "processes share it (tandem up --frontends N)")
+    router: RouterConfig = opt(RouterConfig(), "router flags")
+
+
+@dataclass(frozen=True)
+class UpConfig(Common):
+    """tandem up: the cluster's shape and where it serves"""
+
+    workers: int = opt(1, "number of aggregated workers, when no --prefill/--decode",
+                       type=positive_int)
+    prefill: int = opt(0, "number of prefill workers: with --decode, serve disaggregated (xPyD)",
+                       type=non_negative_int)
+    decode: int = opt(0, "number of decode workers: with --prefill, serve disaggregated (xPyD)",
+                      type=non_negative_int)
+    frontends: int = opt(1, "number of frontend processes sharing the HTTP port (SO_REUSEPORT)",
+                         type=positive_int)
+    port: int = opt(8000, "HTTP port of the frontend(s)", type=port)
+    worker_base_port: int = opt(0, "first worker port; workers (and prefill bootstrap sockets) "
+                                "take consecutive ports (0 = free ports)", type=port_or_zero)
+    ready_timeout_s: float = opt(120.0, "seconds to wait for the cluster to be ready",
+                                 flag="--ready-timeout", type=positive_float)
+    demo: bool = opt(False, "once ready, stream one chat completion to the terminal, then keep "
+                     "serving")
+
+    def __post_init__(self) -> None:
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("disaggregated serving needs both --prefill N and --decode M")
+
+
+# Names other modules import; each is the field default above, not a second copy.
+DEFAULT_HOST: str = Common.host
+DEFAULT_PAGE_SIZE: int = WorkerConfig.page_size
+DEFAULT_MAX_TOKENS: int = FrontendConfig.default_max_tokens
+DRAIN_TIMEOUT_S: float = Common.drain_timeout_s

@@ -1,168 +1,182 @@
-"""`tandem up`: a whole cluster on this machine. Starts N workers and a frontend on loopback as child
-processes (each in its own session so Ctrl-C reaches only us), waits until /health says ready,
-prints the URL and a sample curl, and on Ctrl-C/SIGTERM stops every child: SIGTERM, a deadline to
-drain, then SIGKILL. If a child dies, everything is stopped and the exit code says so."""
+"""`tandem up`: a whole cluster on this machine, through the shared launcher (`tandem.launcher`).
+
+`up` declares only its own flags (`UpConfig`: the shape, the HTTP port, ...). Every worker and
+frontend flag is generated from `WorkerConfig`/`FrontendConfig` too, but left out of the namespace
+unless given, and what was given is forwarded as argv to every worker / frontend (`forwarded`):
+nothing is declared twice, and a new worker flag reaches `up`'s children with no code here. Flags
+`up` sets per process itself (role, ports, names, worker addresses) are not offered.
+
+Then: plan the processes, check every port is free (before anything says "serving"), start them in
+their own sessions (Ctrl-C reaches only us), show progress while workers come up, print the URL and
+a sample `curl`, optionally stream a demo answer, and supervise: a child that dies is reported with
+its exit status and the cluster stops. Ctrl-C or SIGTERM stops every child (SIGTERM, the drain
+deadline, then SIGKILL).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
+import unicodedata
 import urllib.request
+from dataclasses import dataclass
+from types import FrameType
 
-from tandem.cli import router_flags
+from tandem import flags, launcher
+from tandem.config import (
+    PASSTHROUGH_ENGINES, Common, FrontendConfig, UpConfig, WorkerConfig, served_name,
+)
 
-STOP_TIMEOUT_S = 15.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--engine", args.engine, "--page-size", str(args.page_size),
-             "--max-batch", str(args.max_batch), "--device", args.device,
-             "--output-mode", args.output_mode, "--step-delay-ms", str(args.step_delay_ms)]
-    if args.num_pages:
-        flags += ["--num-pages", str(args.num_pages)]
-    flags += ["--kv-transfer-timeout", str(args.kv_transfer_timeout),
-              "--kv-room-timeout", str(args.kv_room_timeout),
-              "--kv-done-timeout", str(args.kv_done_timeout),
-              "--kv-bytes-per-s", str(args.kv_bytes_per_s),
-              "--mock-prefill-us-per-token", str(args.mock_prefill_us_per_token),
-              "--mock-decode-step-us", str(args.mock_decode_step_us),
-              "--mock-decode-us-per-seq", str(args.mock_decode_us_per_seq),
-              "--delta-window", str(args.delta_window),
-              "--delta-batch", str(args.delta_batch)]
-    return flags
+COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded to every child
+PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port")
+PER_FRONTEND = ("port", "workers", "reuse_port")
+DEMO_MAX_TOKENS = 48
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def spawn(self, name: str, argv: list[str]) -> None:
-        cmd = [sys.executable, "-m", "tandem.cli", *argv]
-        self.children.append((name, subprocess.Popen(cmd, start_new_session=True)))
-
-    def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
-
-    def stop(self) -> None:
-        for _, p in self.children:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name, p in self.children:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"tandem up: {name} did not stop in time; killing it", file=sys.stderr)
-                p.kill()
-                p.wait(5)
+def worker_flags() -> list[flags.Flag]:
+    return flags.flags_of(WorkerConfig, exclude=(*COMMON, *PER_WORKER))
 
 
-def wait_ready(url: str, cluster: Cluster, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cluster.dead():
-            return False
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    return False
+def frontend_flags() -> list[flags.Flag]:
+    return flags.flags_of(FrontendConfig, exclude=(*COMMON, *PER_FRONTEND))
+
+
+def add_up_flags(parser: argparse.ArgumentParser) -> None:
+    flags.add_flags(parser, flags.flags_of(UpConfig))
+    flags.add_flags(parser, worker_flags(), forwarded=True,
+                    title=lambda c: f"{(c.__doc__ or '').strip()} (forwarded to every worker)")
+    flags.add_flags(parser, frontend_flags(), forwarded=True,
+                    title=lambda c: f"{(c.__doc__ or '').strip()} (forwarded to every frontend)")
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """What `up` passes on: argv appended to every worker's and every frontend's command line."""
+
+    worker: tuple[str, ...]
+    frontend: tuple[str, ...]
+    engine: str
+    served_model_name: str
+
+
+def forwarded(ns: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> Forwarded:
+    """The children's flags from `up`'s parsed namespace; `engine_args` (flags tandem does not
+    know) go to every worker after its own, for an engine that takes them (ValueError otherwise)."""
+    engine = str(getattr(ns, "engine", WorkerConfig.engine))
+    if engine_args and engine not in PASSTHROUGH_ENGINES:
+        raise ValueError(f"unrecognized arguments: {' '.join(engine_args)} (only --engine "
+                         f"{'/'.join(PASSTHROUGH_ENGINES)} takes engine flags)")
+    common = [tok for f in flags.flags_of(Common, exclude=("model", "host"))
+              for tok in flags.render(f, getattr(ns, f.dest))]
+    worker = [*common, *flags.render_given(worker_flags(), ns), *engine_args]
+    frontend = [*common, *flags.render_given(frontend_flags(), ns)]
+    name = str(getattr(ns, "served_model_name", "") or served_name(ns.model))
+    return Forwarded(tuple(worker), tuple(frontend), engine, name)
+
+
+def make_plan(cfg: UpConfig, fwd: Forwarded) -> launcher.Plan:
+    shape = launcher.Shape(prefill=cfg.prefill, decode=cfg.decode) if cfg.prefill else \
+        launcher.Shape(agg=cfg.workers)
+    return launcher.plan(shape, cfg.model, host=cfg.host, http_port=cfg.port,
+                         worker_base_port=cfg.worker_base_port, frontends=cfg.frontends,
+                         worker_args=fwd.worker, frontend_args=fwd.frontend)
+
+
+def printable(text: str) -> str:
+    """`text` with control and format characters (escape sequences, bells, bidi overrides) shown
+    as U+FFFD: a model's raw output must not drive the terminal. Newlines and tabs stay."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else "\ufffd"
+                   for c in text)
+
+
+def sample_curl(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "max_tokens": 32, "stream": True,
+                       "messages": [{"role": "user", "content": "Hello!"}]})
+    return (f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}")
 
 
 def stream_demo(url: str, model: str) -> None:
     body = json.dumps({
-        "model": model, "stream": True, "max_tokens": 48, "temperature": 0,
+        "model": model, "stream": True, "max_tokens": DEMO_MAX_TOKENS, "temperature": 0,
         "messages": [{"role": "user", "content": "Tell me about the sea."}],
     }).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    print("\n--- streaming a chat completion ---")
+    print("\n--- streaming a chat completion (random weights: the text is gibberish) ---")
     with urllib.request.urlopen(req, timeout=120) as r:
         for raw in r:
-            line = raw.decode().strip()
+            line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                print(f"\n[error] {chunk['error']['message']}")
+                print(f"\n[error] {printable(str(chunk['error'].get('message')))}")
                 continue
             for choice in chunk.get("choices", []):
-                print(choice.get("delta", {}).get("content") or "", end="", flush=True)
-    print("\n--- done ---\n")
+                text = (choice.get("delta") or {}).get("content") or ""
+                print(printable(text), end="", flush=True)
+    print("\n--- done ---\n", flush=True)
 
 
-def run_up(args: argparse.Namespace) -> int:
-    import os
+class _Stop(Exception):
+    pass
 
-    host = "127.0.0.1"
-    model_name = os.path.basename(os.path.normpath(args.model))
-    cluster = Cluster()
-    stopping = False
 
-    def on_signal(sig: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+def _raise_stop(sig: int, _frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(sig).name)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    base = args.worker_base_port
-    roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.prefill else \
-        ["agg"] * args.workers
-    addrs = []
-    ports = iter(range(base, base + 2 * len(roles))) if base else None
-    for i, role in enumerate(roles):
-        port = next(ports) if ports else free_port(host)
-        addrs.append(f"tcp://{host}:{port}")
-        extra = []
-        if role == "prefill":
-            extra = ["--bootstrap-port", str(next(ports) if ports else free_port(host))]
-        cluster.spawn(f"{role} worker {i}", ["worker", "--role", role, "--model", args.model,
-                                             "--host", host, "--port", str(port), *extra,
-                                             *_engine_flags(args)])
-    cluster.spawn("frontend", ["frontend", "--model", args.model, "--workers", ",".join(addrs),
-                               "--host", host, "--port", str(args.port),
-                               "--stream-interval", str(args.stream_interval),
-                               "--http-server", args.http_server,
-                               *router_flags(args)])
-    url = f"http://{host}:{args.port}"
+
+def _progress(p: launcher.Progress) -> None:
+    if not p.frontend_up:
+        print(f"tandem up: [{p.elapsed_s:5.1f}s] waiting for the frontend", flush=True)
+        return
+    names = ", ".join(n.split("@")[0] for n in p.workers_up) or "none yet"
+    print(f"tandem up: [{p.elapsed_s:5.1f}s] workers up {len(p.workers_up)}/"
+          f"{len(p.workers_expected)}: {names}", flush=True)
+
+
+def run_up(cfg: UpConfig, fwd: Forwarded) -> int:
     try:
-        if not wait_ready(url, cluster, args.ready_timeout):
-            dead = ", ".join(f"{n} exited with {rc}" for n, rc in cluster.dead())
-            print(f"tandem up: the cluster did not become ready ({dead or 'timed out'})",
-                  file=sys.stderr)
-            return 1
-        shape = f"{args.prefill}P{args.decode}D" if args.prefill else \
-            f"{args.workers} aggregated worker{'s' if args.workers > 1 else ''}"
-        print(f"\ntandem is serving {model_name} at {url}  ({shape}, {args.engine} engine)")
-        print(f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-              f"'{{\"model\": \"{model_name}\", \"stream\": true, \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+        plan = make_plan(cfg, fwd)
+    except ValueError as e:
+        print(f"tandem up: {e}", file=sys.stderr)
+        return 2
+    cluster = launcher.LocalCluster(plan, own_session=True)
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    shape = f"{len(plan.workers)} worker{'s' if len(plan.workers) > 1 else ''}"
+    try:
+        cluster.start()
+        print(f"tandem up: started {shape} and {len(plan.frontends)} frontend"
+              f"{'s' if len(plan.frontends) > 1 else ''} ({fwd.engine} engine)", flush=True)
+        cluster.wait_ready(cfg.ready_timeout_s, on_progress=_progress)
+        print(f"\ntandem is serving {fwd.served_model_name} at {plan.url}  "
+              f"({', '.join(w.name for w in plan.workers)}; {fwd.engine} engine)")
+        print("  " + sample_curl(plan.url, fwd.served_model_name))
         print("Press Ctrl-C to stop.", flush=True)
-        if args.demo and not stopping:
-            stream_demo(url, model_name)
-        while not stopping:
-            dead = cluster.dead()
+        if cfg.demo:
+            stream_demo(plan.url, fwd.served_model_name)
+        while True:
+            dead = cluster.exited()
             if dead:
-                print(f"tandem up: {dead[0][0]} exited with {dead[0][1]}; stopping",
+                print(f"tandem up: {launcher.describe_exit(dead[0])}; stopping the cluster",
                       file=sys.stderr)
                 return 1
             time.sleep(0.2)
+    except launcher.LaunchError as e:
+        print(f"tandem up: {e}", file=sys.stderr)
+        return 1
+    except _Stop:
         return 0
     finally:
-        print("tandem up: stopping", flush=True)
-        cluster.stop()
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        if cluster.procs:
+            print("tandem up: stopping", flush=True)
+            cluster.stop(timeout=cfg.drain_timeout_s + 5)
+        for s, handler in old.items():
+            signal.signal(s, handler)

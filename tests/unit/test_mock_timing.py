@@ -91,18 +91,17 @@ async def test_zero_costs_add_no_sleeps(mock_dir, monkeypatch):
 
 
 def test_timing_flags_reach_the_worker_config_through_tandem_up(mock_dir):
-    from tandem.cli import build_parser, worker_config
-    from tandem.up import _engine_flags
+    """What `tandem up` forwards to a worker is what that worker parses."""
+    from tandem.cli import parse
+    from tandem.up import make_plan
 
-    parser = build_parser()
-    up = parser.parse_args(["up", "--model", mock_dir, "--engine", "mock",
-                            "--mock-prefill-us-per-token", "2.5", "--mock-decode-step-us", "1000",
-                            "--mock-decode-us-per-seq", "30"])
-    worker = parser.parse_args(["worker", "--model", mock_dir, "--port", "7100",
-                                *_engine_flags(up)])
-    cfg = worker_config(worker)
+    up = parse(["up", "--model", mock_dir, "--engine", "mock", "--mock-prefill-us-per-token",
+                "2.5", "--mock-decode-step-us", "1000", "--mock-decode-us-per-seq", "30"])
+    plan = make_plan(up.config, up.forwarded)
+    (worker,) = plan.workers
+    cfg = parse(list(worker.argv)).config
     assert (cfg.engine, cfg.mock_prefill_us_per_token, cfg.mock_decode_step_us,
             cfg.mock_decode_us_per_seq) == ("mock", 2.5, 1000.0, 30.0)
-    plain = worker_config(parser.parse_args(["worker", "--model", mock_dir, "--port", "7100"]))
+    plain = parse(["worker", "--model", mock_dir]).config
     assert (plain.mock_prefill_us_per_token, plain.mock_decode_step_us,
             plain.mock_decode_us_per_seq) == (0.0, 0.0, 0.0)
