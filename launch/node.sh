@@ -26,6 +26,8 @@ options
   --advertise-host ADDR    workers: this node's address as the others see it (required unless
                            --host is a specific address)
   --host ADDR              bind address (default: 0.0.0.0)
+  --auth-keys DIR          the cluster's CURVE key pair, the same on every node (write it once
+                           with \`tandem keys init DIR\` and copy it); required beyond loopback
   --count N                workers: how many on this node (default: 1)
   --tp N                   workers: GPUs per worker (default: 1)
   --gpus LIST | --cpu      workers: GPU ids to use (default: all), or none
@@ -48,10 +50,10 @@ environment: e.g. UCX_TLS=rc,ud,cuda_copy,cuda_ipc UCX_NET_DEVICES=mlx5_0:1 on I
 UCX_TLS=tcp,cuda_copy UCX_NET_DEVICES=eth0 over TCP. Export them before running this script.
 
 example: two prefill nodes, one decode node, one frontend node
-  node-a\$ $PROG --role prefill --model /m --advertise-host 10.0.0.1 --count 4 --tp 2
-  node-b\$ $PROG --role prefill --model /m --advertise-host 10.0.0.2 --count 4 --tp 2
-  node-c\$ $PROG --role decode  --model /m --advertise-host 10.0.0.3 --count 8
-  node-d\$ $PROG --role frontend --model /m --frontends 4 \\
+  node-a\$ $PROG --role prefill --model /m --auth-keys /k --advertise-host 10.0.0.1 --count 4 --tp 2
+  node-b\$ $PROG --role prefill --model /m --auth-keys /k --advertise-host 10.0.0.2 --count 4 --tp 2
+  node-c\$ $PROG --role decode  --model /m --auth-keys /k --advertise-host 10.0.0.3 --count 8
+  node-d\$ $PROG --role frontend --model /m --auth-keys /k --frontends 4 \\
             --workers tcp://10.0.0.1:7100,tcp://10.0.0.1:7101,...,tcp://10.0.0.3:7107
 EOF
 }
@@ -81,7 +83,7 @@ while [[ $# -gt 0 ]]; do
     --port) need_val "$@"; http_port=$2; shift 2 ;;
     --frontends) need_val "$@"; frontends=$2; shift 2 ;;
     --frontend-args) need_val "$@"; frontend_args=$2; shift 2 ;;
-    --drain-timeout|--ready-timeout|--log-dir|--tandem)
+    --drain-timeout|--ready-timeout|--log-dir|--tandem|--auth-keys)
       need_val "$@"; common+=("$1" "$2"); shift 2 ;;
     --dry-run) common+=(--dry-run); shift ;;
     -h|--help) usage; exit 0 ;;

@@ -46,6 +46,8 @@ frontends
   --frontends N            frontend processes on --port, 0 for workers only (default: 1)
   --workers ADDRS          more worker addresses for the frontends (tcp://H:P or dns://NAME:P)
   --frontend-args 'ARGS'   extra frontend flags, split on spaces
+  --auth-keys DIR          the cluster's CURVE keys (\`tandem keys init DIR\`), passed to every
+                           process; required to bind, or reach workers, beyond loopback
 process control
   --drain-timeout S        drain deadline passed to every process (default: 10)
   --ready-timeout S        give up when not ready after this long (default: 600)
@@ -68,7 +70,7 @@ need_val() { [[ $# -ge 2 ]] || die "$1 needs a value"; }
 
 prefill=1 decode=1 tp="" prefill_tp="" decode_tp="" gpus_arg="" cpu=0 engine=reference model=""
 host=127.0.0.1 advertise="" wport=7100 bport=7200 hport=7300 http_port=8000 frontends=1
-extra_workers="" frontend_args="" drain=10 ready_timeout=600 log_dir="" tandem_cmd="" dry_run=0
+extra_workers="" frontend_args="" auth_keys="" drain=10 ready_timeout=600 log_dir="" tandem_cmd="" dry_run=0
 extra=()
 
 while [[ $# -gt 0 ]]; do
@@ -91,6 +93,7 @@ while [[ $# -gt 0 ]]; do
     --frontends) need_val "$@"; frontends=$2; shift 2 ;;
     --workers) need_val "$@"; extra_workers=$2; shift 2 ;;
     --frontend-args) need_val "$@"; frontend_args=$2; shift 2 ;;
+    --auth-keys) need_val "$@"; auth_keys=$2; shift 2 ;;
     --drain-timeout) need_val "$@"; drain=$2; shift 2 ;;
     --ready-timeout) need_val "$@"; ready_timeout=$2; shift 2 ;;
     --log-dir) need_val "$@"; log_dir=$2; shift 2 ;;
@@ -130,6 +133,21 @@ if [[ -z $advertise ]]; then
   case $host in 0.0.0.0|::|'[::]') advertise=127.0.0.1 ;; *) advertise=$host ;; esac
 fi
 case $host in 0.0.0.0|::|'[::]') probe_host=127.0.0.1 ;; *) probe_host=$host ;; esac
+is_loopback() { case $1 in 127.*|localhost|::1|'[::1]') return 0 ;; *) return 1 ;; esac; }
+if [[ -z $auth_keys ]]; then  # the runtime refuses unauthenticated ZMQ beyond loopback: say so now
+  if (( nworkers > 0 )) && ! is_loopback "$host"; then
+    die "workers bound to $host (beyond loopback) need --auth-keys DIR (write one with: tandem keys init DIR)"
+  fi
+  if (( frontends > 0 )) && [[ -n $extra_workers ]]; then
+    IFS=, read -r -a entries <<<"$extra_workers"
+    for e in "${entries[@]}"; do
+      e=${e#*://}; e=${e%:*}
+      is_loopback "$e" || die "frontends reaching workers beyond loopback ($e) need --auth-keys DIR"
+    done
+  fi
+fi
+auth_args=()
+if [[ -n $auth_keys ]]; then auth_args=(--auth-keys "$auth_keys"); fi
 
 # --- GPUs ---------------------------------------------------------------------------------------
 need_gpus=$(( prefill * prefill_tp + decode * decode_tp ))
@@ -198,7 +216,7 @@ for (( i = 0; i < nworkers; i++ )); do
     bp=$(( bport + idx )); claim_port "$bp" "$name bootstrap"
     cmd+=(--bootstrap-port "$bp")
   fi
-  cmd+=(--health-port "$hp" --drain-timeout "$drain")
+  cmd+=(--health-port "$hp" --drain-timeout "$drain" ${auth_args[@]+"${auth_args[@]}"})
   if (( cpu == 0 )) && [[ $engine == reference ]]; then cmd+=(--device cuda); fi
   if [[ $engine == sglang ]] && (( extra_has_tp == 0 )); then cmd+=(--tp-size "$wtp"); fi
   cmd+=(${extra[@]+"${extra[@]}"})
@@ -214,7 +232,9 @@ if [[ -n $extra_workers ]]; then all_workers=${all_workers:+$all_workers,}$extra
 if (( frontends > 0 )); then claim_port "$http_port" "frontend HTTP"; fi
 for (( i = 0; i < frontends; i++ )); do
   cmd=("${tandem_argv[@]}" frontend --model "$model" --workers "$all_workers" --host "$host"
-       --port "$http_port" --drain-timeout "$drain" ${frontend_extra[@]+"${frontend_extra[@]}"})
+       --port "$http_port" --drain-timeout "$drain" ${auth_args[@]+"${auth_args[@]}"})
+  if (( frontends > 1 )); then cmd+=(--reuse-port); fi  # N processes on one port
+  cmd+=(${frontend_extra[@]+"${frontend_extra[@]}"})
   names+=("frontend-$i"); kinds+=(frontend); cmds+=("$(quote "${cmd[@]}")")
   health_urls+=("http://$probe_host:$http_port/health")
   info+=("role=frontend${T}gpus=-${T}port=$http_port${T}bootstrap_port=-${T}health_port=$http_port${T}address=http://$probe_host:$http_port")

@@ -203,11 +203,19 @@ def test_workers_gpus_shm_and_ucx(directory: Path) -> None:
             assert "rc" in env["UCX_TLS"].split(",") and env["UCX_NET_DEVICES"].startswith("mlx5")
             assert int(c["resources"]["limits"]["rdma/ib"]) >= 1
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
-        auth = flag(args, "--auth-keys")
-        if auth is not None:
-            (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == auth]
-            assert volumes[m["name"]]["secret"]["secretName"] == "tandem-auth-keys"
-            assert m.get("readOnly") is True
+
+
+@pytest.mark.parametrize("directory", DEPLOYMENTS, ids=DEPLOYMENT_IDS)
+def test_every_process_has_the_cluster_keys(directory: Path) -> None:
+    """ZMQ beyond loopback is CURVE-authenticated: frontends and workers all need the keys."""
+    for w in workloads(directory):
+        c = tandem_container(w)
+        auth = flag(expanded_args(c), "--auth-keys")
+        assert auth is not None, f"{component(w)} has no --auth-keys"
+        (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == auth]
+        volumes = {v["name"]: v for v in pod_spec(w)["volumes"]}
+        assert volumes[m["name"]]["secret"]["secretName"] == "tandem-auth-keys"
+        assert m.get("readOnly") is True
 
 
 def test_the_production_example_overlay_really_changes_things() -> None:

@@ -94,6 +94,7 @@ def test_2p_tp2_2d_tp2_on_8_gpus() -> None:
     (fe,) = [p for p in procs if p["kind"] == "frontend"]
     want = ",".join(f"tcp://127.0.0.1:{7100 + i}" for i in range(4))
     assert flag(fe["argv"], "--workers") == want == head["workers"]
+    assert "--reuse-port" not in fe["argv"]  # one frontend
     assert head["gpus"] == GPUS8 and head["prefill_tp"] == head["decode_tp"] == "2"
     assert [p["log"] for p in procs] == [f"/tmp/tl/{p['name']}.log" for p in procs]
 
@@ -111,6 +112,9 @@ def test_1p_7d_on_8_gpus() -> None:
     assert [p["name"] for p in procs if p["kind"] == "frontend"] == ["frontend-0", "frontend-1"]
     for p in workers:  # the reference engine runs on the GPU it was given
         assert flag(p["argv"], "--device") == "cuda" and flag(p["argv"], "--tp-size") is None
+        assert "--auth-keys" not in p["argv"]  # loopback only: no keys needed
+    for p in procs:  # two frontends share --port: SO_REUSEPORT
+        assert ("--reuse-port" in p["argv"]) == (p["kind"] == "frontend")
 
 
 def test_gpus_default_to_cuda_visible_devices_and_split_tp() -> None:
@@ -145,6 +149,9 @@ def test_cpu_mode_assigns_no_gpus() -> None:
     (["--gpus", "0,1", "--tp", "0"], "--tp must be >= 1"),
     (["--gpus", "0,1", "--bogus"], "unknown option '--bogus'"),
     (["--prefill", "0", "--decode", "0"], "need --workers"),
+    (["--cpu", "--host", "0.0.0.0"], "workers bound to 0.0.0.0 (beyond loopback) need --auth-keys"),
+    (["--prefill", "0", "--decode", "0", "--workers", "tcp://127.0.0.1:1,dns://tandem-decode:7100"],
+     "frontends reaching workers beyond loopback (tandem-decode) need --auth-keys"),
 ])
 def test_errors_are_clear(args: list[str], message: str) -> None:
     res = run(SINGLE, "--dry-run", "--model", "/m", *args)
@@ -167,7 +174,8 @@ def test_help() -> None:
 
 def test_node_worker_roles_bind_all_and_advertise() -> None:
     head, procs = plan(NODE, "--role", "decode", "--model", "/m", "--advertise-host", "10.0.0.3",
-                       "--count", "2", "--tp", "2", "--gpus", "0,1,2,3", "--", "--x", "1")
+                       "--count", "2", "--tp", "2", "--gpus", "0,1,2,3", "--auth-keys", "/k",
+                       "--", "--x", "1")
     check_consistent(procs)
     assert [p["kind"] for p in procs] == ["worker", "worker"]
     for i, p in enumerate(procs):
@@ -175,8 +183,10 @@ def test_node_worker_roles_bind_all_and_advertise() -> None:
         assert flag(p["argv"], "--host") == "0.0.0.0"
         assert flag(p["argv"], "--advertise-host") == "10.0.0.3"
         assert flag(p["argv"], "--engine") == "sglang" and flag(p["argv"], "--tp-size") == "2"
+        assert flag(p["argv"], "--auth-keys") == "/k" and p["argv"][-2:] == ["--x", "1"]
     assert head["workers"] == "tcp://10.0.0.3:7100,tcp://10.0.0.3:7101"
-    _, procs = plan(NODE, "--role", "prefill", "--model", "/m", "--host", "10.0.0.1", "--cpu")
+    _, procs = plan(NODE, "--role", "prefill", "--model", "/m", "--host", "10.0.0.1", "--cpu",
+                    "--auth-keys", "/k")
     assert procs[0]["bootstrap_port"] == "7200"
     assert flag(procs[0]["argv"], "--advertise-host") == "10.0.0.1"
 
@@ -184,15 +194,19 @@ def test_node_worker_roles_bind_all_and_advertise() -> None:
 def test_node_frontend_role() -> None:
     workers = "dns://tandem-decode:7100,tcp://10.0.0.1:7100"
     _, procs = plan(NODE, "--role", "frontend", "--model", "/m", "--workers", workers,
-                    "--frontends", "3", "--frontend-args", "--router-policy prefix")
+                    "--frontends", "3", "--frontend-args", "--router-policy prefix",
+                    "--auth-keys", "/k")
     assert [p["name"] for p in procs] == ["frontend-0", "frontend-1", "frontend-2"]
     for p in procs:
         assert flag(p["argv"], "--workers") == workers and flag(p["argv"], "--host") == "0.0.0.0"
         assert flag(p["argv"], "--router-policy") == "prefix"
+        assert flag(p["argv"], "--auth-keys") == "/k" and "--reuse-port" in p["argv"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--role", "prefill"], "--advertise-host ADDR is required"),
+    (["--role", "decode", "--advertise-host", "10.0.0.2", "--cpu"], "need --auth-keys DIR"),
+    (["--role", "frontend", "--workers", "tcp://10.0.0.2:7100"], "need --auth-keys DIR"),
     (["--role", "frontend"], "needs --workers"),
     (["--role", "cache"], "--role must be"),
     ([], "--role is required"),
