@@ -320,11 +320,13 @@ class LocalCluster:
         """LaunchError naming every planned port that something already listens on."""
         busy = sorted({p for c in self.plan.children for p in c.ports
                        if port_in_use(self.plan.host, p)})
+        if len(busy) == 1:
+            raise LaunchError(f"port {busy[0]} on {self.plan.host} is already in use; stop what "
+                              "holds it or choose another (--port, --worker-base-port)")
         if busy:
-            raise LaunchError(f"port{'s' if len(busy) > 1 else ''} "
-                              f"{', '.join(map(str, busy))} on {self.plan.host} "
-                              f"{'are' if len(busy) > 1 else 'is'} already in use; stop what "
-                              "holds them or choose others (--port, --worker-base-port)")
+            raise LaunchError(f"ports {', '.join(map(str, busy))} on {self.plan.host} are already "
+                              "in use; stop what holds them or choose others (--port, "
+                              "--worker-base-port)")
 
     def start(self) -> None:
         self.check_ports()
