@@ -41,7 +41,9 @@ class Frontend:
         self.sock.setsockopt(zmq.IDENTITY, b"raw-frontend")
         self.sock.connect(address)
 
-    async def send(self, msg: wire._Tagged) -> None:
+    async def send(self, msg: wire._Tagged | Generate) -> None:
+        if isinstance(msg, Generate):  # one request: a Generates of one
+            msg = wire.Generates([msg])
         await self.sock.send_multipart(list(wire.encode(msg)))
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
@@ -145,9 +147,10 @@ async def test_a_silent_frontend_owing_credit_loses_its_requests_with_an_error(
         await fe.send(Generate("long", [9, 9], SamplingParams(max_tokens=3000, ignore_eos=True)))
         msgs = await fe.deltas(timeout=2.0)  # no credit, no other message: silent
         items = [d for m in msgs for d in m.items]
-        assert items[-1].finish_reason == "error" and items[-1].status == 503
+        assert items[-1].finish_reason == "error"
+        assert items[-1].error_kind == wire.ErrorKind.FRONTEND_SILENT
         assert "silent" in items[-1].error
         got = [t for d in items for t in d.token_ids]
         assert got == expected([9, 9], len(got))  # what it held came first, in order
         assert items[-1].offset == len(got) and 0 < len(got) < 3000
-        assert not server._requests
+        assert server.num_requests == 0

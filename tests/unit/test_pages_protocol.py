@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tandem.kv.pages import PagePool, PagePoolError
+from tandem.kv.pages import PagePool, PagePoolError, check_accounting
 from tandem.runtime import wire
 from tandem.runtime.wire import Delta, Deltas, Generate, Generates, SamplingParams, Usage
 
@@ -30,12 +30,16 @@ def test_pool_allocate_reserve_commit_free_keep_the_invariant():
     assert pool.num_free == 10
 
 
-def test_pool_check_catches_a_double_count():
+def test_pool_check_catches_a_double_count_and_a_lost_page():
     pool = PagePool(4, 16)
-    pool.allocate("a", 2)
-    pool._held["b"] = [pool._held["a"][0]]  # the bug SGLang's streaming sessions had
-    with pytest.raises(PagePoolError):
-        pool.check()
+    a = pool.allocate("a", 2)
+    free = [p for p in range(4) if p not in a]
+    check_accounting(4, free, [a])  # what check() checks: this holds
+    pool.check()
+    with pytest.raises(PagePoolError):  # the bug SGLang's streaming sessions had
+        check_accounting(4, free, [a, [a[0]]])
+    with pytest.raises(PagePoolError):  # a page nobody has
+        check_accounting(4, free[1:], [a])
 
 
 def test_roundtrip_and_type_byte_routing():

@@ -1,6 +1,7 @@
 """ReferenceEngine behaviour a user would notice: the same tokens alone or batched, sampling that
 reproduces with a seed, every finish reason, both output modes, and every page back in the pool
-after every scenario (normal end, aclose, cancellation, abort, refusal)."""
+after every scenario (normal end, cancel mid-stream or while waiting or while its step computes,
+refusal, a failing step). Steps are held or failed through the public `compute_hook`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Any
 
 import pytest
 
-from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
+from tandem.engines.base import EngineError, EngineOutput, EngineRequestError
 from tandem.engines.reference import ReferenceEngine, write_tiny_model
+from tandem.engines.reference.engine import Compute, ComputeHook
+from tandem.engines.scheduler import Batch
 from tandem.runtime.wire import SamplingParams
+from tests.conformance.harness import Recorder, Run, finished, generate, wait_idle
 
 GREEDY = {"temperature": 0.0}
 PROMPT = [0, 5, 100, 200, 7, 900]
@@ -30,19 +34,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny")
     write_tiny_model(path, seed=0)
     return path
-
-
-async def wait_idle(engine: ReferenceEngine, timeout: float = 2.0) -> None:
-    """Every page comes back promptly, and the accounting holds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        load = engine.load()
-        if load.running == load.waiting == 0 and load.pages_free == load.pages_total:
-            break
-        assert asyncio.get_running_loop().time() < deadline, f"engine not idle: {load}"
-        await asyncio.sleep(0.002)
-    engine.pool.check()
-    assert engine.pool.owners() == []
 
 
 @pytest.fixture
@@ -68,19 +59,21 @@ async def engine(make_engine: MakeEngine) -> ReferenceEngine:
     return await make_engine()
 
 
-async def run(
-    engine: ReferenceEngine, rid: str, prompt: list[int], **sampling: Any
-) -> list[EngineOutput]:
-    req = EngineRequest(rid, list(prompt), SamplingParams(**sampling))
-    return [o async for o in engine.generate(req)]
+async def run(engine: ReferenceEngine, rid: str, prompt: list[int], **sampling: Any) -> Run:
+    return await generate(engine, rid, list(prompt), **sampling)
 
 
 async def tokens(
     engine: ReferenceEngine, prompt: list[int], rid: str = "r", **sampling: Any
 ) -> list[int]:
-    outs = await run(engine, rid, prompt, **sampling)
-    assert outs[-1].finish_reason is not None
-    return outs[-1].output_ids
+    r = await run(engine, rid, prompt, **sampling)
+    assert r.finish is not None and r.error is None
+    return r.ids
+
+
+def start(engine: ReferenceEngine, rid: str, prompt: list[int], sink: Recorder | None = None,
+          **sampling: Any) -> Run:
+    return (sink or Recorder(engine)).submit(engine, rid, prompt, SamplingParams(**sampling))
 
 
 def test_engine_attributes(model_dir: Path) -> None:
@@ -120,10 +113,11 @@ async def test_seeded_sampling_reproducible(engine: ReferenceEngine) -> None:
 
 
 async def test_max_tokens_finishes_with_length(engine: ReferenceEngine) -> None:
-    outs = await run(engine, "r", PROMPT, max_tokens=7, ignore_eos=True, **GREEDY)
-    assert [o.finish_reason for o in outs] == [None] * 6 + ["length"]
-    last = outs[-1]
-    assert (last.prompt_tokens, last.completion_tokens, len(last.output_ids)) == (6, 7, 7)
+    r = await run(engine, "r", PROMPT, max_tokens=7, ignore_eos=True, **GREEDY)
+    assert [o[1] for o in r.outputs] == [None] * 6 + ["length"]
+    ids, _, n = r.outputs[-1]
+    assert (n, len(ids), len(r.ids)) == (7, 7, 7)
+    assert r.outputs[-1][2] == 7
 
 
 async def test_context_end_finishes_with_length(make_engine: MakeEngine, tmp_path: Path,
@@ -134,19 +128,19 @@ async def test_context_end_finishes_with_length(make_engine: MakeEngine, tmp_pat
     cfg["max_position_embeddings"] = 12
     (small / "config.json").write_text(json.dumps(cfg))
     engine = await make_engine(small)
-    outs = await run(engine, "r", PROMPT, max_tokens=50, ignore_eos=True, **GREEDY)
-    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 6
+    r = await run(engine, "r", PROMPT, max_tokens=50, ignore_eos=True, **GREEDY)
+    assert r.finish == "length" and len(r.ids) == 6
     with pytest.raises(EngineRequestError):
-        await run(engine, "long", list(range(12)), max_tokens=1)
+        start(engine, "long", list(range(12)), max_tokens=1)
 
 
 async def test_stop_token_ids(engine: ReferenceEngine) -> None:
     free_run = await tokens(engine, PROMPT, max_tokens=12, ignore_eos=True, **GREEDY)
     stop = free_run[4]
     cut = free_run.index(stop)
-    outs = await run(engine, "r", PROMPT, max_tokens=12, stop_token_ids=(stop,), **GREEDY)
-    assert outs[-1].finish_reason == "stop"
-    assert outs[-1].output_ids == free_run[: cut + 1]  # the stop id itself is the last output
+    r = await run(engine, "r", PROMPT, max_tokens=12, stop_token_ids=(stop,), **GREEDY)
+    assert r.finish == "stop"
+    assert r.ids == free_run[: cut + 1]  # the stop id itself is the last output
 
 
 async def test_min_tokens_holds_back_stop_ids(engine: ReferenceEngine) -> None:
@@ -165,10 +159,10 @@ async def test_eos_and_ignore_eos(make_engine: MakeEngine, tmp_path: Path, model
     (eos_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3, first]}))
     eos_engine = await make_engine(eos_dir)
     assert first in eos_engine.spec.eos_token_ids
-    outs = await run(eos_engine, "a", PROMPT, max_tokens=8, **GREEDY)
-    assert outs[-1].finish_reason == "stop" and outs[-1].output_ids == [first]
-    outs = await run(eos_engine, "b", PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)
-    assert outs[-1].finish_reason == "length" and len(outs[-1].output_ids) == 8
+    r = await run(eos_engine, "a", PROMPT, max_tokens=8, **GREEDY)
+    assert r.finish == "stop" and r.ids == [first]
+    r = await run(eos_engine, "b", PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)
+    assert r.finish == "length" and len(r.ids) == 8
     late = await tokens(eos_engine, PROMPT, max_tokens=8, min_tokens=2, **GREEDY)
     assert first not in late[:2]
 
@@ -177,63 +171,63 @@ async def test_cumulative_and_incremental_give_the_same_tokens(make_engine: Make
     cum = await make_engine(output_mode="cumulative")
     inc = await make_engine(output_mode="incremental")
     params = {"max_tokens": 15, "temperature": 0.7, "seed": 5, "ignore_eos": True}
-    cum_outs = await run(cum, "c", PROMPT, **params)
-    inc_outs = await run(inc, "i", PROMPT, **params)
+    cum_run = await run(cum, "c", PROMPT, **params)
+    inc_run = await run(inc, "i", PROMPT, **params)
     joined: list[int] = []
-    for o in inc_outs:
-        assert o.completion_tokens == len(joined) + len(o.output_ids)  # offset + len == count
-        joined += o.output_ids
+    for ids, _, n in inc_run.outputs:
+        assert n == len(joined) + len(ids)  # offset + len == count
+        joined += ids
     prev: list[int] = []
-    for o in cum_outs:
-        assert o.output_ids[: len(prev)] == prev and o.completion_tokens == len(o.output_ids)
-        prev = o.output_ids
-    assert joined == prev and len(joined) == 15
+    for ids, _, n in cum_run.outputs:
+        assert ids[: len(prev)] == prev and n == len(ids)
+        prev = ids
+    assert joined == prev == cum_run.ids == inc_run.ids and len(joined) == 15
 
 
-async def test_aclose_mid_stream_frees_pages(engine: ReferenceEngine) -> None:
-    gen = engine.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=500, **GREEDY)))
-    for _ in range(3):
-        await gen.__anext__()
-    assert engine.load().running == 1 and engine.pool.num_free < engine.num_pages
-    await gen.aclose()
-    await wait_idle(engine)
+async def test_cumulative_outputs_share_one_growing_list(engine: ReferenceEngine) -> None:
+    # No copy of the whole id list per token: every output of a request hands out the same list.
+    seen: list[list[int]] = []
+
+    class Keep(Recorder):
+        def on_step(self, outputs: list[EngineOutput]) -> None:
+            seen.extend(o.output_ids for o in outputs)
+            super().on_step(outputs)
+
+    r = await finished(start(engine, "r", PROMPT, Keep(engine), max_tokens=20, ignore_eos=True))
+    assert len(seen) == 20 and all(ids is seen[0] for ids in seen) and seen[0] == r.ids
 
 
-async def test_cancelled_consumer_frees_pages(engine: ReferenceEngine) -> None:
-    got: list[EngineOutput] = []
-
-    async def consume() -> None:
-        async for o in engine.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=1000))):
-            got.append(o)
-
-    task = asyncio.create_task(consume())
-    while len(got) < 3:
+async def test_cancel_mid_stream_frees_pages(engine: ReferenceEngine) -> None:
+    r = start(engine, "r", PROMPT, max_tokens=500, **GREEDY)
+    while len(r.outputs) < 3:
         await asyncio.sleep(0.001)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    assert engine.load().running == 1 and engine.pool.num_free < engine.num_pages
+    assert r.handle is not None
+    r.handle.cancel()
     await wait_idle(engine)
+    assert r.finish is None
 
 
-async def test_abort_ends_running_and_waiting_requests(make_engine: MakeEngine) -> None:
+async def test_cancel_ends_running_and_waiting_requests(make_engine: MakeEngine) -> None:
     # Pages for one request at a time, so the second one waits.
     engine = await make_engine(num_pages=130, max_batch=4)  # one request takes 127 pages
-    params = SamplingParams(max_tokens=500, ignore_eos=True, **GREEDY)
-    first = engine.generate(EngineRequest("a", PROMPT, params))
-    second = engine.generate(EngineRequest("b", PROMPT, params))
-    assert (await first.__anext__()).finish_reason is None
-    pending = asyncio.ensure_future(second.__anext__())
+    sink = Recorder(engine)
+    params: dict[str, Any] = {"max_tokens": 500, "ignore_eos": True, **GREEDY}
+    first = start(engine, "a", PROMPT, sink, **params)
+    second = start(engine, "b", PROMPT, sink, **params)
+    while not first.outputs:
+        await asyncio.sleep(0.001)
+    assert first.outputs[0][1] is None
     await asyncio.sleep(0.02)
-    assert engine.load().waiting == 1 and not pending.done()
-    await engine.abort("b")
-    out = await pending
-    assert out.finish_reason == "abort" and out.output_ids == []
-    await engine.abort("a")
-    outs = [o async for o in first]
-    assert outs[-1].finish_reason == "abort"
-    await engine.abort("a")  # twice, and unknown rids, are harmless
-    await engine.abort("nope")
+    assert engine.load().waiting == 1 and not second.outputs
+    assert first.handle is not None and second.handle is not None
+    second.handle.cancel()
+    assert engine.load().waiting == 0
+    first.handle.cancel()
+    n = len(first.outputs)
+    first.handle.cancel()  # twice is harmless
     await wait_idle(engine)
+    assert len(first.outputs) == n and not second.outputs
 
 
 async def test_refused_requests(make_engine: MakeEngine) -> None:
@@ -247,30 +241,25 @@ async def test_refused_requests(make_engine: MakeEngine) -> None:
         (PROMPT, {"top_p": 0.0}),
         (PROMPT, {"temperature": -1.0}),
     ]
+    sink = Recorder(engine)
     for prompt, params in bad:
         with pytest.raises(EngineRequestError):
-            await engine.generate(EngineRequest("x", prompt, SamplingParams(**params))).__anext__()
+            start(engine, f"x{len(sink.runs)}", prompt, sink, **params)
+    assert sink.calls == 0
     assert await tokens(engine, PROMPT, max_tokens=20, **GREEDY)  # still serves what fits
 
 
-async def test_one_delivery_per_step_and_loop_stays_responsive(engine: ReferenceEngine) -> None:
-    calls = 0
-    deliver = engine._deliver
-
-    def counting(emits: list[Any]) -> None:
-        nonlocal calls
-        calls += 1
-        deliver(emits)
-
-    engine._deliver = counting  # type: ignore[method-assign]
-    compute_threads: set[int] = set()
-    compute = engine._compute
-
-    def recording(batch: Any) -> list[int]:
-        compute_threads.add(threading.get_ident())
+def recording(threads: set[int]) -> ComputeHook:
+    def hook(batch: Batch, compute: Compute) -> list[int]:
+        threads.add(threading.get_ident())
         return compute(batch)
 
-    engine._compute = recording  # type: ignore[method-assign]
+    return hook
+
+
+async def test_one_delivery_per_step_and_loop_stays_responsive(engine: ReferenceEngine) -> None:
+    compute_threads: set[int] = set()
+    engine.compute_hook = recording(compute_threads)
     gaps: list[float] = []
     done = asyncio.Event()
 
@@ -285,61 +274,69 @@ async def test_one_delivery_per_step_and_loop_stays_responsive(engine: Reference
 
     tick = asyncio.create_task(ticker())
     prompts = [PROMPT, *OTHERS, [0, 9, 8], [0, 77, 300, 12]]
-    params = {"max_tokens": 120, "ignore_eos": True, **GREEDY}
+    sink = Recorder(engine)
+    params: dict[str, Any] = {"max_tokens": 120, "ignore_eos": True, **GREEDY}
     started = asyncio.get_running_loop().time()
-    outs = await asyncio.gather(*(tokens(engine, p, rid=f"r{i}", **params)
-                                  for i, p in enumerate(prompts)))
+    runs = [start(engine, f"r{i}", p, sink, **params) for i, p in enumerate(prompts)]
+    for r in runs:
+        await finished(r)
     elapsed = asyncio.get_running_loop().time() - started
     done.set()
     await tick
-    assert all(len(o) == 120 for o in outs)
-    assert calls < 120 + 2 * len(prompts)  # batched per step, not one call per token
+    assert all(len(r.ids) == 120 for r in runs)
+    assert sink.calls < 120 + 2 * len(prompts)  # batched per step, not one call per token
     # A loop blocked by compute would stall for the whole run; ours ticks every few ms.
     assert len(gaps) > 10 and max(gaps) < max(0.1, elapsed / 5)
     assert compute_threads and threading.get_ident() not in compute_threads
+    assert sink.threads == {threading.get_ident()}  # outputs arrive on the loop
 
 
 async def test_shutdown_ends_requests_and_is_idempotent(make_engine: MakeEngine) -> None:
     engine = await make_engine()
-    gen = engine.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=2000, **GREEDY)))
-    await gen.__anext__()
+    r = start(engine, "r", PROMPT, max_tokens=2000, **GREEDY)
+    while not r.outputs:
+        await asyncio.sleep(0.001)
     await engine.shutdown()
-    outs = [o async for o in gen]
-    assert outs[-1].finish_reason == "abort"
+    assert r.finish == "abort"
     await engine.shutdown()
     with pytest.raises(EngineError):
-        await engine.generate(EngineRequest("late", PROMPT, SamplingParams())).__anext__()
+        start(engine, "late", PROMPT)
     never_started = ReferenceEngine(engine.model_dir)
     await never_started.shutdown()
     await never_started.shutdown()
 
 
-async def test_abort_while_step_computes_frees_after_the_step(engine: ReferenceEngine) -> None:
-    gate, entered = threading.Event(), threading.Event()
-    compute = engine._compute
-
-    def held(batch: Any) -> list[int]:
+def held(entered: threading.Event, gate: threading.Event) -> ComputeHook:
+    def hook(batch: Batch, compute: Compute) -> list[int]:
         entered.set()
         gate.wait(5)
         return compute(batch)
 
-    engine._compute = held  # type: ignore[method-assign]
-    gen = engine.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=50, **GREEDY)))
-    first = asyncio.ensure_future(gen.__anext__())
+    return hook
+
+
+async def test_cancel_while_step_computes_frees_after_the_step(engine: ReferenceEngine) -> None:
+    gate, entered = threading.Event(), threading.Event()
+    engine.compute_hook = held(entered, gate)
+    r = start(engine, "r", PROMPT, max_tokens=50, **GREEDY)
     await asyncio.to_thread(entered.wait, 5)
-    await engine.abort("r")  # its pages are being written now: held until the step ends
-    assert engine.pool.num_free < engine.num_pages and not first.done()
+    assert r.handle is not None
+    r.handle.cancel()  # its pages are being written now: held until the step ends
+    assert engine.pool.num_free < engine.num_pages
     gate.set()
-    out = await first
-    assert out.finish_reason == "abort" and out.output_ids == []
+    engine.compute_hook = None
     await wait_idle(engine)
+    assert r.outputs == []  # nothing after the cancel
 
 
 async def test_failing_step_fails_its_requests_only(engine: ReferenceEngine) -> None:
-    compute = engine._compute
-    engine._compute = lambda batch: 1 / 0  # type: ignore[method-assign, assignment]
-    with pytest.raises(EngineError, match="ZeroDivisionError"):
-        await tokens(engine, PROMPT, max_tokens=5)
+    def fail(batch: Batch, compute: Compute) -> list[int]:
+        raise ZeroDivisionError("division by zero")
+
+    engine.compute_hook = fail
+    r = await run(engine, "r", PROMPT, max_tokens=5)
+    assert r.finish == "error" and r.error is not None
+    assert isinstance(r.error, EngineError) and "ZeroDivisionError" in str(r.error)
     await wait_idle(engine)
-    engine._compute = compute  # type: ignore[method-assign]
+    engine.compute_hook = None
     assert len(await tokens(engine, PROMPT, max_tokens=5, ignore_eos=True)) == 5

@@ -1,24 +1,49 @@
-"""Build the engine a worker was asked for. Engines with heavy imports are imported only here,
-and only when chosen."""
+"""Build the engine a worker was asked for, with its side of the PD handoff. Engines with heavy
+imports are imported only here, and only when chosen; the worker knows no engine internals."""
 
 from __future__ import annotations
 
-from tandem.engines.base import Engine
+from typing import Any
+
 from tandem.config import WorkerConfig
+from tandem.engines.base import Engine
+from tandem.engines.pd import HandoffConfig
+from tandem.kv.movers import KvMover
 
 ENGINES = ("reference", "mock")
 
 
-def make_engine(cfg: WorkerConfig) -> Engine:
+def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
+    """The PD handoff of a prefill or decode worker (None for an aggregated one): simulated
+    transfers for the mock engine, NIXL for engines with real KV memory."""
+    if cfg.role not in ("prefill", "decode"):
+        return None
+
+    def make_mover(kv: Any, page_bytes: int, num_pages: int) -> KvMover:
+        if kv is None:  # no KV memory (mock engine): transfers only cost time
+            from tandem.kv.movers import SimulatedMover
+
+            return SimulatedMover(name, page_bytes, num_pages, cfg.kv_bytes_per_s)
+        from tandem.kv.movers import NixlMover
+
+        return NixlMover(name, kv, page_bytes, num_pages)
+
+    return HandoffConfig(
+        role=cfg.role, name=name, make_mover=make_mover,
+        room_timeout_s=cfg.kv_room_timeout_s, done_timeout_s=cfg.kv_done_timeout_s,
+        transfer_timeout_s=cfg.kv_transfer_timeout_s,
+        host=cfg.host, port=cfg.bootstrap_port, advertise_host=cfg.reach_host)
+
+
+def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
+    """The engine for `cfg`, built with its handoff; `name` names this worker's transfer agent."""
+    handoff = handoff_config(cfg, name or f"{cfg.role}-{cfg.engine}-{cfg.port}")
     if cfg.engine == "mock":
         from tandem.engines.mock import MockEngine, MockTiming
 
         return MockEngine(
-            cfg.model,
-            page_size=cfg.page_size,
-            num_pages=cfg.num_pages,
-            max_batch=cfg.max_batch,
-            output_mode=cfg.output_mode,  # type: ignore[arg-type]
+            cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
+            output_mode=cfg.output_mode, handoff=handoff,
             timing=MockTiming(
                 step_s=cfg.step_delay_ms / 1e3,
                 prefill_s_per_token=cfg.mock_prefill_us_per_token / 1e6,
@@ -29,12 +54,8 @@ def make_engine(cfg: WorkerConfig) -> Engine:
     if cfg.engine == "reference":
         from tandem.engines.reference.engine import ReferenceEngine
 
-        return ReferenceEngine(
-            cfg.model,
-            device=cfg.device,
-            page_size=cfg.page_size,
-            num_pages=cfg.num_pages,
-            max_batch=cfg.max_batch,
-            output_mode=cfg.output_mode,  # type: ignore[arg-type]
-        )
+        return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
+                               num_pages=cfg.num_pages, max_batch=cfg.max_batch,
+                               output_mode=cfg.output_mode, handoff=handoff)
+    # (hook point: further engines, e.g. sglang, are chosen here)
     raise ValueError(f"unknown engine {cfg.engine!r}; choose one of {', '.join(ENGINES)}")

@@ -1,4 +1,6 @@
-"""KV handoff between a prefill and a decode worker: the bootstrap protocol (DESIGN §1, steps 3-4).
+"""KV handoff between a prefill and a decode worker: the bootstrap protocol over ZMQ (the socket
+layer of the handoff; the per-request state machine over it is tandem.engines.pd). See
+ARCHITECTURE.md, "Disaggregated prefill/decode".
 
 The prefill side binds a ROUTER bootstrap socket. A decode side connects a DEALER to it and, once
 per peer, sends `KvHello` (its transfer agent's metadata and KV layout). Per request (`room`) the
@@ -20,12 +22,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import zmq
 import zmq.utils.monitor
 
+from tandem.kv.movers import KvMover
 from tandem.runtime import wire, transport
+from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
     Bootstrap,
@@ -33,7 +36,6 @@ from tandem.runtime.wire import (
     KvDone,
     KvHello,
     KvHelloReply,
-    KvLayout,
     KvRoom,
 )
 
@@ -42,21 +44,7 @@ log = logging.getLogger("tandem.kv")
 HELLO_TIMEOUT_S = 10.0
 QUARANTINE_GRACE_S = 2.0
 
-
-class KvHandoffError(Exception):
-    """The KV of a room did not arrive: the request fails, its pages are (or will be) released."""
-
-
-class KvMover(Protocol):
-    """What moves the bytes: tandem.kv.nixl_transfer (NIXL) or SimulatedMover (mock engine)."""
-
-    def metadata(self) -> bytes: ...
-    def kv_layout(self) -> KvLayout: ...
-    def add_peer(self, metadata: bytes, layout: KvLayout) -> str: ...
-    def remove_peer(self, peer: str) -> None: ...
-    async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
-                    deadline_s: float) -> None: ...
-    def close(self) -> None: ...
+__all__ = ["DecodeSide", "Destination", "KvHandoffError", "PrefillSide", "QUARANTINE_GRACE_S"]
 
 
 # --- prefill side ---------------------------------------------------------------------------------
@@ -77,9 +65,10 @@ class _Room:
 
 class PrefillSide:
     def __init__(self, mover: KvMover, host: str, port: int, *, room_timeout_s: float,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, advertise_host: str = "") -> None:
         self.mover = mover
         self.host, self.port = host, port
+        self.advertise_host = advertise_host or host  # what decode workers connect to
         self.room_timeout_s = room_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self._sock: zmq.asyncio.Socket | None = None
@@ -89,7 +78,7 @@ class PrefillSide:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.advertise_host}:{self.port}"
 
     async def start(self) -> None:
         self._sock = transport.router(f"tcp://{self.host}:{self.port}")
@@ -120,25 +109,29 @@ class PrefillSide:
             raise KvHandoffError(f"room {room}: no decode worker sent its pages within "
                                  f"{self.room_timeout_s:.0f}s") from None
 
-    async def send(self, room: int, dest: Destination, local_pages: Sequence[int],
-                   first_token: int) -> None:
-        """WRITE the prompt's KV into `dest`, then tell the decode side. The write runs in a task
-        of our own: cancelling the caller does not stop it, and KvDone goes out after it ends."""
+    def send(self, room: int, dest: Destination, local_pages: Sequence[int],
+             first_token: int) -> asyncio.Task[KvHandoffError | None]:
+        """Start the WRITE of the prompt's KV into `dest`; KvDone goes to the decode side once it
+        has ended. The write is a task of ours (closed with us) whose result is None, or the
+        KvHandoffError it failed with; the caller holds `local_pages` until it is done."""
         self._rooms.pop(room, None)
-        task = self._tasks.spawn(self._send(room, dest, list(local_pages), first_token))
-        await asyncio.shield(task)
+        return self._tasks.spawn(self._send(room, dest, list(local_pages), first_token),
+                                 name=f"kv-send {room}")
 
-    async def _send(self, room: int, dest: Destination, local: list[int], first: int) -> None:
+    async def _send(self, room: int, dest: Destination, local: list[int],
+                    first: int) -> KvHandoffError | None:
         n = len(dest.pages)
         if n > len(local):
             self._done(dest, KvDone(room, False, error="decode side asked for more pages"))
-            raise KvHandoffError(f"room {room}: decode side wants {n} pages, prompt has {len(local)}")
+            return KvHandoffError(f"room {room}: decode side wants {n} pages, prompt has "
+                                  f"{len(local)}")
         try:
             await self.mover.write(dest.peer, local[:n], dest.pages, self.transfer_timeout_s)
-        except Exception as e:
+        except Exception as e:  # the one place a mover's failure becomes a KvHandoffError
             self._done(dest, KvDone(room, False, error=f"KV transfer failed: {e}"))
-            raise KvHandoffError(f"room {room}: KV transfer failed: {e}") from e
+            return KvHandoffError(f"room {room}: KV transfer failed: {e}")
         self._done(dest, KvDone(room, True, first))
+        return None
 
     def fail(self, room: int, error: str) -> None:
         """The prefill of `room` failed before any write: tell its decode side if we know it."""
@@ -166,10 +159,11 @@ class PrefillSide:
                 elif not r.fut.done():
                     r.fut.set_result(Destination(ident, peer, msg.pages))
             elif isinstance(msg, KvCancel):
-                r = self._rooms.pop(msg.room, None)
-                if r is not None and not r.fut.done():
-                    r.fut.set_exception(KvHandoffError(f"room {msg.room} cancelled by decode"))
-                    r.fut.exception()  # retrieved: no "never retrieved" warning if nobody waits
+                cancelled = self._rooms.pop(msg.room, None)
+                if cancelled is not None and not cancelled.fut.done():
+                    cancelled.fut.set_exception(KvHandoffError(f"room {msg.room} cancelled by "
+                                                               "decode"))
+                    cancelled.fut.exception()  # retrieved: no "never retrieved" warning if nobody waits
             elif isinstance(msg, KvHello):
                 self._on_hello(ident, msg)
 
@@ -278,7 +272,7 @@ class DecodeSide:
             conn.rooms.pop(room, None)
             pending.release()
 
-    def _send(self, conn: _Conn, msg: wire._Msg) -> None:
+    def _send(self, conn: _Conn, msg: wire._Tagged) -> None:
         try:
             transport.send_nowait(conn.sock, msg)
         except zmq.ZMQError as e:

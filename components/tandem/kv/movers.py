@@ -1,18 +1,38 @@
-"""Movers: what carries a room's KV pages from the prefill worker to the decode worker.
+"""Movers: what carries a request's KV pages from the prefill engine's memory into the decode
+engine's. The bootstrap protocol (tandem.kv.handoff) decides which pages go where; a mover only
+moves them, within a deadline.
 
-`NixlMover` WRITEs real pages with NIXL (tandem.kv.nixl_transfer, DRAM on CPU, VRAM on CUDA);
-`SimulatedMover` moves nothing and only costs time (the mock engine's transfer model).
+- `NixlMover` WRITEs real pages with NIXL (tandem.kv.nixl_transfer; DRAM on CPU, VRAM on CUDA);
+- `LocalMover` copies pages between two KV tensors of one process (tests, no NIXL needed);
+- `SimulatedMover` moves nothing and only costs time (the mock engine's transfer model).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from tandem.kv.handoff import KvHandoffError
-from tandem.kv.transfer_util import KvTransferError
+from tandem.runtime.errors import KvTransferError, KvTransferTimeout
 from tandem.runtime.wire import KvLayout
+
+
+class KvMover(Protocol):
+    """One worker's end of the KV transfer: who it is (metadata, layout, sent once per peer), the
+    peers it writes to, and page writes with a deadline (raising a KvTransferError)."""
+
+    def metadata(self) -> bytes: ...
+    def kv_layout(self) -> KvLayout: ...
+    def add_peer(self, metadata: bytes, layout: KvLayout) -> str: ...
+    def remove_peer(self, peer: str) -> None: ...
+    async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
+                    deadline_s: float) -> None: ...
+    def close(self) -> None: ...
+
+
+def _check_peer(ours: KvLayout, theirs: KvLayout) -> None:
+    if theirs.page_bytes != ours.page_bytes:
+        raise ValueError(f"peer pages are {theirs.page_bytes} bytes, ours {ours.page_bytes}")
 
 
 class SimulatedMover:
@@ -30,8 +50,7 @@ class SimulatedMover:
         return self._layout
 
     def add_peer(self, metadata: bytes, layout: KvLayout) -> str:
-        if layout.page_bytes != self._layout.page_bytes:
-            raise ValueError(f"peer pages are {layout.page_bytes} bytes, ours {self._layout.page_bytes}")
+        _check_peer(self._layout, layout)
         return metadata.decode()
 
     def remove_peer(self, peer: str) -> None:
@@ -43,11 +62,53 @@ class SimulatedMover:
             cost = len(local) * self._layout.page_bytes / self.bytes_per_s
             if cost > deadline_s:
                 await asyncio.sleep(deadline_s)
-                raise KvHandoffError(f"KV transfer to {peer} passed its {deadline_s:.1f}s deadline")
+                raise KvTransferTimeout(f"KV transfer to {peer} passed its {deadline_s:.1f}s "
+                                        "deadline")
             await asyncio.sleep(cost)
 
     def close(self) -> None:
         pass
+
+
+class LocalFabric:
+    """The KV tensors of the engines in one process, by mover name: what LocalMovers write into."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, Any] = {}
+
+
+class LocalMover:
+    """Copies page-major KV pages between tensors of one process (`dst[remote] = src[local]`)."""
+
+    def __init__(self, fabric: LocalFabric, name: str, kv: Any, page_bytes: int,
+                 num_pages: int) -> None:
+        self.fabric, self.name, self._kv = fabric, name, kv
+        self._layout = KvLayout(0, page_bytes, num_pages, "LOCAL")
+        fabric.kv[name] = kv
+
+    def metadata(self) -> bytes:
+        return self.name.encode()
+
+    def kv_layout(self) -> KvLayout:
+        return self._layout
+
+    def add_peer(self, metadata: bytes, layout: KvLayout) -> str:
+        _check_peer(self._layout, layout)
+        return metadata.decode()
+
+    def remove_peer(self, peer: str) -> None:
+        pass
+
+    async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
+                    deadline_s: float) -> None:
+        dst = self.fabric.kv.get(peer)
+        if dst is None:
+            raise KvTransferError(f"peer {peer} is gone")
+        dst[list(remote)] = self._kv[list(local)]
+
+    def close(self) -> None:
+        if self.fabric.kv.get(self.name) is self._kv:
+            del self.fabric.kv[self.name]
 
 
 class NixlMover:
@@ -57,7 +118,7 @@ class NixlMover:
         from tandem.kv import nixl_transfer as nx
 
         is_cuda = getattr(getattr(kv, "device", None), "type", "cpu") == "cuda"
-        mem = "VRAM" if is_cuda else "DRAM"
+        mem: nx.MemType = "VRAM" if is_cuda else "DRAM"
         device = (kv.device.index or 0) if is_cuda else 0
         self.agent = nx.KvAgent(name, kv, page_bytes, num_pages, mem, device)
 
@@ -75,10 +136,7 @@ class NixlMover:
 
     async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
                     deadline_s: float) -> None:
-        try:
-            await self.agent.write_pages(peer, local, remote, b"", deadline_s)
-        except KvTransferError as e:
-            raise KvHandoffError(str(e)) from e
+        await self.agent.write_pages(peer, local, remote, deadline_s)
 
     def close(self) -> None:
         self.agent.close()

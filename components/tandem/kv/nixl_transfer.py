@@ -1,22 +1,22 @@
 """KV page transfer over NIXL: the only module in tandem that imports nixl.
 
-Owns the NIXL agent of a worker (UCX backend, no NIXL progress thread; a second agent of the
-same name only sends notifications), the registration of the worker's page-major KV region, prepared descriptor lists with one descriptor per page (ours, and
+Owns a worker's NIXL agent (UCX backend, no NIXL progress thread), the registration of the
+worker's page-major KV region, prepared descriptor lists with one descriptor per page (ours, and
 each peer's, prepared once), and page WRITEs from our pages into a peer's pages with a deadline.
 
 Contracts:
 - Page i is the contiguous range [base + i*page_bytes, +page_bytes). A write names pages by index;
-  NIXL merges consecutive indices that are contiguous on both sides into one descriptor (checked
-  with NIXL telemetry), so a run of pages costs one descriptor, not one per page.
+  NIXL merges consecutive indices that are contiguous on both sides into one descriptor, so a run
+  of pages costs one descriptor, not one per page.
 - `write_pages` returns once every byte is in the peer's pages, or raises `KvTransferTimeout`,
-  `PeerGone` or `KvTransferError`. Every handle is released on every path by the code that made
-  it, also when the awaiting task is cancelled; a handle is never posted twice. Over CMA the copy
-  runs inside `transfer()`: small writes run it on the caller's thread (cheaper than a thread hop),
-  larger ones in `num_streams` threads, each bound to its own UCX worker, in parallel.
-- The notification is sent after the data is in place. The target must make progress for the
-  first write from each peer stream to complete (connection wireup): the agent's progress thread
-  does that every `progress_interval_s` (~2% of a core at 5 ms), so a decode worker only reads
-  notifications (`poll_notifs`), when it likes.
+  `PeerGone` or `KvTransferError` (tandem.runtime.errors). Every handle is released on every path
+  by the code that made it, also when the awaiting task is cancelled; a handle is never posted
+  twice. Over CMA the copy runs inside `transfer()`: small writes run it on the caller's thread
+  (cheaper than a thread hop), larger ones in `num_streams` threads, each bound to its own UCX
+  worker, in parallel.
+- A target must make progress for the first write from each peer stream to complete (connection
+  wireup): the agent's own thread does that every `progress_interval_s` (~2% of a core at 5 ms);
+  an agent made without it calls `progress()` itself.
 - `import tandem.kv.nixl_transfer` works without nixl; a `KvAgent` then raises `KvTransferError`.
 """
 
@@ -27,7 +27,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,24 +34,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tandem.kv.transfer_util import (  # re-exported: this module's public API
-    KvTransferError,
-    KvTransferTimeout,
-    PeerGone,
-    count_descriptors,
-    prefault_host_memory,
-)
-from tandem.runtime.wire import KvLayout  # the wire contract's layout
+from tandem.kv.transfer_util import count_descriptors, prefault_host_memory
+from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone
+from tandem.runtime.wire import KvLayout
 
 log = logging.getLogger(__name__)
 
 MemType = Literal["DRAM", "VRAM"]
-KvRegion = tuple[int, int]  # (address, nbytes), for memory that is not a torch tensor
 
-__all__ = ["KvAgent", "KvLayout", "KvTransferError", "KvTransferTimeout", "PeerGone",
-           "WriteResult", "count_descriptors", "prefault_host_memory"]
+__all__ = ["KvAgent", "MemType", "WriteResult"]
 
-_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 (see DESIGN §5)"
+_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 (see README.md)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +73,8 @@ def _page_descs(layout: KvLayout) -> np.ndarray:
     return descs
 
 
-def _region_of(kv: Any, mem: MemType, device: int) -> KvRegion:
-    if isinstance(kv, tuple):
-        return int(kv[0]), int(kv[1])
+def _region_of(kv: Any, mem: MemType, device: int) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous page-major KV tensor on the given memory."""
     if not kv.is_contiguous():
         raise ValueError("the KV tensor must be contiguous (page-major)")
     is_cuda = kv.device.type == "cuda"
@@ -94,7 +85,7 @@ def _region_of(kv: Any, mem: MemType, device: int) -> KvRegion:
 
 class KvAgent:
     """One NIXL agent per worker, owning the registration of its KV pages (`kv`: a contiguous
-    page-major tensor, or an (address, nbytes) region, alive as long as the agent).
+    page-major tensor, kept alive as long as the agent).
 
     Writes of at most `inline_max_bytes` run on the caller's thread; larger ones are split over
     up to `num_streams` threads, each stream carrying at least `min_stream_bytes`. `close()`
@@ -102,21 +93,10 @@ class KvAgent:
     (allocate the tensor) before the agent.
     """
 
-    def __init__(
-        self,
-        name: str,
-        kv: Any,
-        page_bytes: int,
-        num_pages: int,
-        mem: MemType = "DRAM",
-        device: int = 0,
-        *,
-        num_streams: int = 2,
-        min_stream_bytes: int = 8 << 20,
-        inline_max_bytes: int = 2 << 20,
-        progress_interval_s: float | None = 0.005,
-        prefault: bool = True,
-    ) -> None:
+    def __init__(self, name: str, kv: Any, page_bytes: int, num_pages: int,
+                 mem: MemType = "DRAM", device: int = 0, *, num_streams: int = 2,
+                 min_stream_bytes: int = 8 << 20, inline_max_bytes: int = 2 << 20,
+                 progress_interval_s: float | None = 0.005, prefault: bool = True) -> None:
         if page_bytes <= 0 or num_pages <= 0 or num_streams <= 0:
             raise ValueError("page_bytes, num_pages and num_streams must be positive")
         if mem not in ("DRAM", "VRAM"):
@@ -131,9 +111,8 @@ class KvAgent:
             raise KvTransferError(f"nixl is not installed: {_INSTALL_HINT}") from e
         self._gone_error: type[BaseException] = _bindings.nixlRemoteDisconnectError
         names = [n for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")]
-        self._nixl_errors: tuple[type[BaseException], ...] = tuple(
-            getattr(_bindings, n) for n in names
-        )
+        self._nixl_errors: tuple[type[BaseException], ...] = tuple(getattr(_bindings, n)
+                                                                   for n in names)
         self._kv = kv  # keeps the registered memory alive
         self._layout = KvLayout(addr, page_bytes, num_pages, mem, device)
         self._num_streams = num_streams
@@ -142,32 +121,25 @@ class KvAgent:
         if prefault and mem == "DRAM":
             prefault_host_memory(addr, page_bytes * num_pages)
         # RW sync: NIXL is called from several threads at once; UCX workers become thread-safe.
-        config = nixl_agent_config(
-            enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
-        )
+        config = nixl_agent_config(enable_prog_thread=False, backends=[],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._agent = nixl_agent(name, config)
         self._agent.create_backend("UCX", {"num_workers": str(num_streams)})
-        # Notifications go from a second agent of the same name: a notification on the data
-        # endpoints makes every later flush wait for the target's next progress (measured).
-        self._notifier = nixl_agent(name, config)
-        self._notifier.create_backend("UCX", {"num_workers": "1"})
         self._reg = self._agent.register_memory([(addr, page_bytes * num_pages, device, "")], mem)
         self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(self._layout), mem)
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._num_open = 0  # handles made and not yet released
         self._stuck: list[Any] = []  # handles whose release failed: retried, never posted again
-        self._notifs: deque[tuple[str, bytes]] = deque()
-        self._pull_lock = threading.Lock()
+        self._progress_lock = threading.Lock()
         self._closed = False
         self._pool = ThreadPoolExecutor(num_streams, thread_name_prefix=f"kv-xfer-{name}")
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
         if progress_interval_s is not None:
-            self._progress = threading.Thread(
-                target=self._progress_loop, args=(progress_interval_s,),
-                name=f"kv-progress-{name}", daemon=True,
-            )
+            self._progress = threading.Thread(target=self._progress_loop,
+                                              args=(progress_interval_s,),
+                                              name=f"kv-progress-{name}", daemon=True)
             self._progress.start()
 
     # --- identity and peers ---------------------------------------------------------------------
@@ -206,7 +178,6 @@ class KvAgent:
                 if old.layout != layout:
                     raise ValueError(f"peer {name} was added with another layout")
                 return name
-            self._notifier.add_remote_agent(metadata)
             dlist = self._agent.prep_xfer_dlist(name, _page_descs(layout), layout.mem)
             self._peers[name] = _Peer(name, layout, dlist)
             return name
@@ -221,17 +192,11 @@ class KvAgent:
                     self._drop_peer_locked(p)
 
     # --- writes (initiator side) ----------------------------------------------------------------
-    async def write_pages(
-        self,
-        peer: str,
-        local_pages: Sequence[int],
-        remote_pages: Sequence[int],
-        notif: bytes = b"",
-        deadline_s: float = 10.0,
-    ) -> WriteResult:
-        """WRITE our `local_pages[i]` into the peer's `remote_pages[i]`, then send `notif` (if
-        not empty). `deadline_s`: seconds allowed from this call until every byte is in place
-        (checked between NIXL calls: a copy running inside `transfer()` is not cut short)."""
+    async def write_pages(self, peer: str, local_pages: Sequence[int],
+                          remote_pages: Sequence[int], deadline_s: float = 10.0) -> WriteResult:
+        """WRITE our `local_pages[i]` into the peer's `remote_pages[i]`. `deadline_s`: seconds
+        allowed from this call until every byte is in place (checked between NIXL calls: a copy
+        running inside `transfer()` is not cut short)."""
         deadline = time.monotonic() + deadline_s
         t0 = time.perf_counter()
         local = np.asarray(local_pages, dtype=np.int64)
@@ -242,21 +207,20 @@ class KvAgent:
             k = 0
         p = self._begin(peer, local, remote, max(k, 1))
         if k > 0:
-            await self._write_streams(p, local, remote, k, notif, deadline)
+            await self._write_streams(p, local, remote, k, deadline)
         else:  # small: copy on this thread, cheaper than a thread hop
             handle, done = self._start(p, local.astype(np.int32), remote.astype(np.int32))
             if done:
-                self._finish(p, handle, True, notif, deadline)
+                self._finish(p, handle, True, deadline)
             else:  # a pool thread waits for it, and owns the handle from now on
                 try:
-                    fut = self._submit(p, 0, self._finish, p, handle, False, notif, deadline)
+                    fut = self._submit(p, 0, self._finish, p, handle, False, deadline)
                 except KvTransferError:
                     self._release(handle)
                     raise
                 await fut
-        return WriteResult(
-            len(local), num_bytes, count_descriptors(local, remote), time.perf_counter() - t0
-        )
+        return WriteResult(len(local), num_bytes, count_descriptors(local, remote),
+                           time.perf_counter() - t0)
 
     def _submit(self, p: _Peer, num_after: int, fn: Any, *args: Any) -> asyncio.Future[None]:
         try:
@@ -266,29 +230,24 @@ class KvAgent:
                 self._end(p)
             raise KvTransferError("kv agent is closed") from e
 
-    async def _write_streams(
-        self, p: _Peer, local: np.ndarray, remote: np.ndarray, k: int, notif: bytes, deadline: float
-    ) -> None:
+    async def _write_streams(self, p: _Peer, local: np.ndarray, remote: np.ndarray, k: int,
+                             deadline: float) -> None:
         bounds = [len(local) * j // k for j in range(k + 1)]
-        chunk_notif = notif if k == 1 else b""  # several streams: notify once all are done
         futs = [
             self._submit(p, k - 1 - j, self._write_chunk, p, local[a:b].astype(np.int32),
-                         remote[a:b].astype(np.int32), chunk_notif, deadline)
+                         remote[a:b].astype(np.int32), deadline)
             for j, (a, b) in enumerate(itertools.pairwise(bounds))
         ]
         results = await asyncio.gather(*futs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise next((e for e in errors if isinstance(e, PeerGone)), errors[0])
-        if notif and k > 1:
-            self._send_notif(p.name, notif)
 
-    def _write_chunk(
-        self, p: _Peer, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
-    ) -> None:
+    def _write_chunk(self, p: _Peer, local: np.ndarray, remote: np.ndarray,
+                     deadline: float) -> None:
         # In a pool thread: NIXL binds a UCX worker to the thread that makes the handle.
         handle, done = self._start(p, local, remote)
-        self._finish(p, handle, done, notif, deadline)
+        self._finish(p, handle, done, deadline)
 
     def _start(self, p: _Peer, local: np.ndarray, remote: np.ndarray) -> tuple[Any, bool]:
         """Make and post a handle; True if the copy is complete already."""
@@ -309,8 +268,8 @@ class KvAgent:
             self._end(p)
             raise
 
-    def _finish(self, p: _Peer, handle: Any, done: bool, notif: bytes, deadline: float) -> None:
-        """Wait for the copy until the deadline, release the handle, notify, end the chunk."""
+    def _finish(self, p: _Peer, handle: Any, done: bool, deadline: float) -> None:
+        """Wait for the copy until the deadline, release the handle, end the chunk."""
         try:
             try:
                 pause = 20e-6
@@ -320,8 +279,6 @@ class KvAgent:
                     done = self._state(handle, p.name, deadline)
             finally:
                 self._release(handle)
-            if notif:
-                self._send_notif(p.name, notif)
         finally:
             self._end(p)
 
@@ -339,16 +296,6 @@ class KvAgent:
         if state not in ("DONE", "PROC"):
             raise KvTransferError(f"write to {peer} failed ({state})")
         return bool(state == "DONE")
-
-    def _send_notif(self, peer: str, notif: bytes) -> None:
-        # Not carried by the transfer: then the transfer completes only after the target's next
-        # progress. Sent once the data is in place, so the target sees it after the data.
-        try:
-            self._notifier.send_notif(peer, notif)
-            if self._progress is None:
-                self._notifier.get_new_notifs()  # progress: completes and frees the send
-        except self._nixl_errors as e:
-            raise self._map_error(peer, e) from e
 
     def _map_error(self, peer: str, e: BaseException) -> KvTransferError:
         if isinstance(e, self._gone_error):
@@ -377,27 +324,19 @@ class KvAgent:
                 with self._lock:
                     self._stuck.append(handle)
 
-    # --- notifications (target side) ------------------------------------------------------------
-    def poll_notifs(self) -> list[tuple[str, bytes]]:
-        """Notifications received so far, oldest first, as (peer name, bytes); never blocks."""
-        if not self._closed:
-            self._pull_notifs()
-        out: list[tuple[str, bytes]] = []
-        while self._notifs:
-            out.append(self._notifs.popleft())
-        return out
-
-    def _pull_notifs(self) -> None:
-        with self._pull_lock:  # one puller at a time keeps each peer's notifications in order
-            for peer, msgs in self._agent.get_new_notifs().items():
-                self._notifs.extend((peer, bytes(m)) for m in msgs)
+    # --- progress (target side) ------------------------------------------------------------------
+    def progress(self) -> None:
+        """Make UCX progress once (wireup, acks), so that writes into this agent complete; the
+        agent's own thread does this unless it was made with `progress_interval_s=None`."""
+        if self._closed:
+            return
+        with self._progress_lock:
+            self._agent.get_new_notifs()
 
     def _progress_loop(self, interval_s: float) -> None:
-        # Keeps UCX progressing (wireup, acks) so that writes into this agent complete.
         while not self._stop.wait(interval_s):
             try:
-                self._pull_notifs()
-                self._notifier.get_new_notifs()  # completes and frees notification sends
+                self.progress()
             except Exception:
                 log.exception("nixl progress failed")
 
@@ -454,7 +393,6 @@ class KvAgent:
             p.dlist.release()
             if current:
                 self._agent.remove_remote_agent(p.name)
-                self._notifier.remove_remote_agent(p.name)
         except self._nixl_errors as e:
             log.warning("removing kv peer %s: %s", p.name, e)
         p.dlist = None

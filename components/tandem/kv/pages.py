@@ -7,9 +7,16 @@ counted twice. When the system is idle every page is free.
 
 from __future__ import annotations
 
+from tandem.runtime.errors import PagePoolError
 
-class PagePoolError(Exception):
-    pass
+__all__ = ["PagePool", "PagePoolError", "check_accounting", "page_bytes"]
+
+
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+               elem_bytes: int) -> int:
+    """Bytes of one page in the page-major KV layout (all layers, K and V): the one formula every
+    engine and mover uses."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * elem_bytes
 
 
 class PagePool:
@@ -74,8 +81,8 @@ class PagePool:
 
     def free(self, owner: str) -> int:
         """Return every page `owner` holds or reserved. Safe to call twice; returns pages freed."""
-        pages = self._held.pop(owner, None) or []
-        pages += self._reserved.pop(owner, None) or []
+        pages = self._held.pop(owner, [])
+        pages += self._reserved.pop(owner, [])
         self._free.extend(reversed(pages))
         return len(pages)
 
@@ -84,13 +91,18 @@ class PagePool:
 
     def check(self) -> None:
         """Raise PagePoolError if any page is lost or counted twice."""
-        seen: set[int] = set(self._free)
-        count = len(self._free)
-        for group in (self._held, self._reserved):
-            for pages in group.values():
-                seen.update(pages)
-                count += len(pages)
-        if count != self.num_pages or len(seen) != self.num_pages:
-            raise PagePoolError(
-                f"page accounting broken: counted {count}, distinct {len(seen)}, total {self.num_pages}"
-            )
+        check_accounting(self.num_pages, self._free, [*self._held.values(),
+                                                      *self._reserved.values()])
+
+
+def check_accounting(num_pages: int, free: list[int], owned: list[list[int]]) -> None:
+    """The invariant: the free list and every owner's pages together count each of the
+    `num_pages` pages exactly once. Raises PagePoolError otherwise."""
+    seen: set[int] = set(free)
+    count = len(free)
+    for pages in owned:
+        seen.update(pages)
+        count += len(pages)
+    if count != num_pages or len(seen) != num_pages:
+        raise PagePoolError(
+            f"page accounting broken: counted {count}, distinct {len(seen)}, total {num_pages}")

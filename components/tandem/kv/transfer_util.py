@@ -1,5 +1,5 @@
-"""Transfer helpers that need no nixl: the error types every mover maps to, host-memory
-pre-faulting, and descriptor counting. Split out of nixl_transfer so it stays readable."""
+"""Transfer helpers that need no nixl: host-memory pre-faulting and descriptor counting. The
+transfer errors (KvTransferError, KvTransferTimeout, PeerGone) live in tandem.runtime.errors."""
 
 from __future__ import annotations
 
@@ -9,18 +9,6 @@ import numpy as np
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without changing them
-
-
-class KvTransferError(Exception):
-    """A KV page transfer failed; the target pages hold undefined bytes."""
-
-
-class KvTransferTimeout(KvTransferError):
-    """The transfer missed its deadline; its handle was released (or is retried, never reused)."""
-
-
-class PeerGone(KvTransferError):
-    """The peer agent disconnected: its process died or it closed its agent."""
 
 
 def prefault_host_memory(addr: int, nbytes: int, hugepages: bool = True) -> bool:

@@ -1,16 +1,17 @@
-"""WorkerServer: one engine served to any number of frontends over a ZMQ ROUTER socket.
+"""WorkerServer: one engine served to any number of frontends over a ZMQ ROUTER socket
+(ARCHITECTURE.md, "Worker").
 
-Per frontend it keeps an Outbox (tandem.worker.outbox): every delta produced while the event loop
-runs one iteration is sent as ONE `Deltas` message on the next iteration, so the wire carries at
-most one message per engine step per frontend, never one per token; and at most `delta_window`
-messages are in flight to a frontend: while it owes credit, a request's new tokens merge into its
-waiting delta. A frontend that owes credit and stays silent past `frontend_silent_s` loses its
-requests: each ends with an error delta, sent at once with what its outbox held.
+It owns the receive loop (one typed decoder: wire.TO_WORKER), the dispatch of what frontends
+send, and the request registry. Every request goes to `engine.submit(req, self)`: the server is
+the engine's one output sink, and `on_step(outputs)` is the worker's one loop over engine outputs:
+each output becomes a delta (tandem.worker.deltas.DeltaMaker, one per request) for the frontend
+that sent the request (tandem.worker.frontends: outboxes, credit, flushing). A failed request's
+last delta carries the wire ErrorKind of its EngineError (`err.kind`).
 
-Per request a `_Served` turns engine outputs into deltas. An engine with the fast path
-(`open_stream`) calls it from its own step; otherwise one task per request drives
-`engine.generate`. An `Abort`, the frontend going away, or shutdown cancels the request (the
-handle, or the task, whose cancellation closes the engine's iterator), which frees its pages.
+An `Abort`, a frontend that goes away or stays silent while owing credit, or the end of the drain
+cancels a request through its handle, which frees its pages. Draining (on stop): no new work is
+taken; in-flight requests get the drain deadline to finish, then end with an error; what the
+outboxes hold is sent past the window before the socket closes.
 """
 
 from __future__ import annotations
@@ -18,20 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import zmq
 
-from tandem.engines.base import (
-    Engine,
-    EngineError,
-    EngineOutput,
-    EngineRequest,
-    EngineRequestError,
-    StreamHandle,
-)
-from tandem.runtime import wire, transport
-from tandem.config import DRAIN_TIMEOUT_S, WorkerConfig
+from tandem.config import WorkerConfig
+from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Handle
+from tandem.runtime import transport, wire
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
     Abort,
@@ -48,9 +41,16 @@ from tandem.runtime.wire import (
     WorkerInfo,
 )
 from tandem.worker.deltas import DeltaMaker
-from tandem.worker.outbox import Outbox
+from tandem.worker.frontends import Frontends
 
 log = logging.getLogger("tandem.worker")
+
+
+class _Request:
+    __slots__ = ("ident", "maker", "handle")
+
+    def __init__(self, ident: bytes, maker: DeltaMaker, handle: Handle) -> None:
+        self.ident, self.maker, self.handle = ident, maker, handle
 
 
 class WorkerServer:
@@ -58,73 +58,122 @@ class WorkerServer:
         self.cfg = cfg
         self.engine = engine
         self.info = info
+        self.frontends = Frontends(cfg.delta_window, cfg.delta_batch, self._send, engine.load)
         self._sock: zmq.asyncio.Socket | None = None
-        self._tasks = TaskGroup()
-        self._requests: dict[str, _Served] = {}
-        self._outboxes: dict[bytes, Outbox] = {}
-        self._flush_scheduled = False
+        self._requests: dict[str, _Request] = {}
         self._draining = False
+        self._progress = asyncio.Event()  # while draining: a request ended or a delta left
 
     @property
     def address(self) -> str:
         return f"tcp://{self.cfg.host}:{self.cfg.port}"
 
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (submitted, not ended)."""
+        return len(self._requests)
+
+    @property
+    def ready(self) -> bool:
+        """Serving and taking work (bound, not draining)."""
+        return self._sock is not None and not self._draining
+
     async def run(self, stop: asyncio.Event) -> None:
         self._sock = transport.router(self.address)
         log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
                  self.info.engine, self.address)
-        loop = asyncio.get_running_loop()
-        recv = loop.create_task(self._recv_loop(), name="worker-recv")
-        reaper = loop.create_task(self._reap_silent_frontends(), name="worker-reaper")
+        tasks = TaskGroup()
+        tasks.spawn(self._recv_loop(), name="worker-recv")
+        tasks.spawn(self._reap_silent_frontends(), name="worker-reaper")
         try:
             await stop.wait()
-            await self.drain(DRAIN_TIMEOUT_S)
+            await self.drain(self.cfg.drain_timeout_s)
         finally:
-            recv.cancel()
-            reaper.cancel()
-            await asyncio.gather(recv, reaper, return_exceptions=True)
+            await tasks.close()
             for rid in list(self._requests):  # (drain did this unless it was cut short)
-                self._cancel(rid)
-            await self._tasks.close()
-            self._flush(force=True)  # the last words: past the window, the frontends can take it
+                self._end(rid, ErrorKind.DRAINING, "the worker shut down")
+            self.frontends.flush(force=True)  # the last words, past the window
             self._sock.close(linger=1000)  # ms for those last words to leave
 
     async def drain(self, timeout: float) -> None:
-        """Take no new work; give in-flight requests `timeout` seconds, then abort the rest."""
+        """Take no new work; give in-flight requests (and their undelivered deltas) `timeout`
+        seconds, then end the rest with an error."""
         self._draining = True
-        deadline = time.monotonic() + timeout
-        while (self._requests or any(self._outboxes.values())) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._requests or self.frontends.pending:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
         for rid in list(self._requests):
-            self._cancel(rid)  # (run() awaits the tasks of engines without the fast path)
+            self._end(rid, ErrorKind.DRAINING,
+                      f"the worker shut down: not finished within its {timeout:g}s drain")
+
+    # --- the engine's output sink: the worker's one loop over outputs -----------------------------
+    def on_step(self, outputs: list[EngineOutput]) -> None:
+        requests, emit = self._requests, self.frontends.emit
+        for out in outputs:
+            r = requests.get(out.rid)
+            if r is None:
+                continue
+            if out.error is not None:
+                self._fail(out.rid, r, out.error)
+                continue
+            try:
+                delta = r.maker.make(out)
+            except EngineError as e:  # out of step with what was sent: stop it, loudly
+                r.handle.cancel()
+                self._fail(out.rid, r, e)
+                continue
+            if delta is not None:
+                emit(r.ident, delta)
+            if out.finish_reason is not None:
+                del requests[out.rid]
+        if self._draining:
+            self._progress.set()
+
+    def _fail(self, rid: str, r: _Request, err: EngineError) -> None:
+        if err.kind is ErrorKind.ENGINE:
+            log.error("%s: engine error: %s", rid, err)
+        self._requests.pop(rid, None)
+        self.frontends.emit(r.ident, Delta(rid, r.maker.sent, [], "error", error=str(err),
+                                           error_kind=err.kind))
+
+    def _end(self, rid: str, kind: ErrorKind, why: str) -> None:
+        """Cancel a request and tell its frontend why."""
+        r = self._requests.pop(rid, None)
+        if r is not None:
+            r.handle.cancel()
+            self.frontends.emit(r.ident, Delta(rid, r.maker.sent, [], "error", error=why,
+                                               error_kind=kind))
 
     # --- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         assert self._sock is not None
         async for ident, msg in transport.router_messages(self._sock, wire.TO_WORKER, log):
-            box = self._outboxes.get(ident)
-            if box is not None:
-                box.last_heard = time.monotonic()
+            self.frontends.heard(ident)
             if isinstance(msg, Credit):
-                if box is not None:
-                    box.credit(msg.n)
-                    if box.can_send:
-                        self._send_box(ident, box)
+                self.frontends.credit(ident, msg.n)
+                if self._draining:
+                    self._progress.set()
             elif isinstance(msg, Generates):
                 for g in msg.items:
                     self._on_generate(ident, g)
             elif isinstance(msg, Abort):
                 for rid in msg.rids:
-                    self._cancel(rid)
+                    r = self._requests.pop(rid, None)
+                    if r is not None:
+                        r.handle.cancel()  # frees the pages; the frontend already knows
             elif isinstance(msg, LoadQuery):
                 self._send(ident, LoadReport(msg.seq, self.engine.load()))
             elif isinstance(msg, Hello):
                 self._on_hello(ident, msg)
 
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
-        box = self._outboxes.get(ident)
-        if box is not None:
-            box.reset()  # a new connection: credit owed on the old one will not come
+        self.frontends.hello(ident)
         if msg.version != wire.PROTOCOL_VERSION:
             err = f"protocol version {msg.version} != worker's {wire.PROTOCOL_VERSION}"
             self._send(ident, HelloReply(wire.PROTOCOL_VERSION, False, None, err))
@@ -132,83 +181,32 @@ class WorkerServer:
         self._send(ident, HelloReply(wire.PROTOCOL_VERSION, True, self.info))
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
+        def refuse(kind: ErrorKind, why: str) -> None:
+            self.frontends.emit(ident, Delta(msg.rid, 0, [], "error", error=why, error_kind=kind))
+
         if self._draining:
-            self._emit(ident, Delta(msg.rid, 0, [], "error", error="worker is draining",
-                                        error_kind=ErrorKind.DRAINING))
-            return
+            return refuse(ErrorKind.DRAINING, "worker is draining")
         if msg.rid in self._requests:
-            self._emit(ident, Delta(msg.rid, 0, [], "error", error="duplicate request id",
-                                        error_kind=ErrorKind.DUPLICATE))
-            return
+            return refuse(ErrorKind.DUPLICATE, "duplicate request id")
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
-        served = _Served(self, ident, req.rid, DeltaMaker(req.rid, self.engine.output_mode))
         try:
-            handle = self.engine.open_stream(req, served)
+            handle = self.engine.submit(req, self)
         except EngineError as e:
-            served.fail(e)
-            return
-        if handle is None:  # no fast path: a task drives the engine's iterator
-            handle = self._tasks.spawn(self._serve(served, req), name=msg.rid)
-        served.handle = handle
-        self._requests[msg.rid] = served
-
-    def _cancel(self, rid: str) -> None:
-        served = self._requests.pop(rid, None)
-        if served is not None and served.handle is not None:
-            served.handle.cancel()  # frees the pages (a task: once its iterator is closed)
-
-    # --- one request ------------------------------------------------------------------------------
-    async def _serve(self, served: _Served, req: EngineRequest) -> None:
-        try:
-            gen = self.engine.generate(req)
-            async with contextlib.aclosing(gen):
-                async for out in gen:
-                    served.deliver(out)
-        except asyncio.CancelledError:
-            pass  # aborted: the frontend already knows; aclosing freed the pages
-        except EngineError as e:
-            served.fail(e)
-        except Exception as e:  # an engine bug must fail one request, not the worker
-            log.exception("%s: unexpected engine failure", req.rid)
-            served.fail(EngineError(f"engine failed: {e}"))
-        finally:
-            if self._requests.get(req.rid) is served:
-                del self._requests[req.rid]
+            return refuse(e.kind, str(e))
+        self._requests[msg.rid] = _Request(ident, DeltaMaker(msg.rid, self.engine.output_mode),
+                                           handle)
 
     async def _reap_silent_frontends(self) -> None:
+        limit = self.cfg.frontend_silent_s
         while True:
-            await asyncio.sleep(min(1.0, self.cfg.frontend_silent_s / 4))
-            now = time.monotonic()
-            for ident, box in list(self._outboxes.items()):
-                if box.in_flight and now - box.last_heard > self.cfg.frontend_silent_s:
-                    why = (f"the frontend was silent for over {self.cfg.frontend_silent_s:g}s "
-                           "while the worker held its tokens")
-                    log.warning("frontend %r: %s; aborting its requests", ident, why)
-                    self._abort_frontend(ident, why)
+            await asyncio.sleep(min(1.0, limit / 4))
+            for ident in self.frontends.silent(limit):
+                why = (f"the frontend was silent for over {limit:g}s while the worker held its "
+                       "tokens")
+                log.warning("frontend %r: %s; ending its requests", ident, why)
+                self._drop_frontend(ident, why)
 
-    # --- sending: one Deltas message per loop iteration per frontend, within its window ----------
-    def _emit(self, ident: bytes, delta: Delta) -> None:
-        box = self._outboxes.get(ident)
-        if box is None:
-            box = self._outboxes[ident] = Outbox(self.cfg.delta_window, self.cfg.delta_batch)
-        box.add(delta)
-        if not self._flush_scheduled and (box.in_flight < box.window or delta.offset == 0):
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self, force: bool = False) -> None:
-        self._flush_scheduled = False
-        for ident, box in list(self._outboxes.items()):
-            if force and len(box):
-                self._send(ident, Deltas(box.take(everything=True), self.engine.load()))
-            elif box.can_send:
-                self._send_box(ident, box)
-            elif box.has_first:  # the window is full: first tokens go on their own
-                self._send(ident, Deltas(box.take_first(), self.engine.load()))
-
-    def _send_box(self, ident: bytes, box: Outbox) -> None:
-        self._send(ident, Deltas(box.take(), self.engine.load()))
-
+    # --- sending ----------------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: wire._Tagged) -> None:
         assert self._sock is not None
         try:
@@ -216,65 +214,19 @@ class WorkerServer:
         except zmq.ZMQError as e:
             # The frontend is gone (EHOSTUNREACH) or not reading (EAGAIN past the HWM): its
             # requests cannot be delivered, so stop them and free their pages.
-            log.warning("frontend %r unreachable (%s): aborting its requests", ident, e)
-            self._abort_frontend(ident)
+            log.warning("frontend %r unreachable (%s): cancelling its requests", ident, e)
+            self._drop_frontend(ident)
+        if self._draining and isinstance(msg, Deltas):
+            self._progress.set()
 
-    def _abort_frontend(self, ident: bytes, why: str = "") -> None:
+    def _drop_frontend(self, ident: bytes, why: str = "") -> None:
         """Stop every request of a frontend. With `why` it may still be there (silent, not gone):
-        each request ends with an error delta, and what its outbox holds goes out now, past the
-        window (ZMQ keeps it for a frontend that resumes; a gone one makes the send fail)."""
-        for rid, served in list(self._requests.items()):
-            if served.ident == ident:
-                self._cancel(rid)
+        each request ends with an error delta, and its outbox goes out now, past the window."""
+        for rid, r in list(self._requests.items()):
+            if r.ident == ident:
                 if why:
-                    self._emit(ident, Delta(rid, served.maker.sent, [], "error", error=why,
-                                            error_kind=ErrorKind.FRONTEND_SILENT))
-        box = self._outboxes.pop(ident, None)
-        if why and box is not None and len(box):
-            self._send(ident, Deltas(box.take(everything=True), self.engine.load()))
-
-
-class _Served:
-    """One request being served: the engine's output sink (tandem.engines.base.OutputSink), which
-    turns outputs into deltas for the frontend that sent the request."""
-
-    __slots__ = ("server", "ident", "rid", "maker", "handle")
-
-    def __init__(self, server: WorkerServer, ident: bytes, rid: str, maker: DeltaMaker) -> None:
-        self.server = server
-        self.ident = ident
-        self.rid = rid
-        self.maker = maker
-        self.handle: StreamHandle | None = None
-
-    def deliver(self, out: EngineOutput) -> None:
-        """One output; raises EngineError when it is out of step with what was sent."""
-        delta = self.maker.make(out)
-        if delta is not None:
-            self.server._emit(self.ident, delta)
-        if out.finish_reason is not None:
-            self._done()
-
-    def put(self, out: EngineOutput) -> None:
-        """The fast path's delivery, from inside the engine's step: never raises into it."""
-        try:
-            self.deliver(out)
-        except EngineError as e:
-            if self.handle is not None:
-                self.handle.cancel()
-            self.fail(e)
-
-    def fail(self, err: EngineError) -> None:
-        if isinstance(err, EngineRequestError):
-            kind = ErrorKind.BAD_REQUEST
-        else:
-            kind = ErrorKind.ENGINE
-            log.error("%s: engine error: %s", self.rid, err)
-        self._done()
-        self.server._emit(self.ident, Delta(self.rid, self.maker.sent, [], "error", error=str(err),
-                                            error_kind=kind))
-
-    def _done(self) -> None:
-        requests = self.server._requests
-        if requests.get(self.rid) is self:
-            del requests[self.rid]
+                    self._end(rid, ErrorKind.FRONTEND_SILENT, why)
+                else:
+                    del self._requests[rid]
+                    r.handle.cancel()
+        self.frontends.drop(ident, last_words=bool(why))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tandem.runtime.wire import ErrorKind
+
 
 class TandemError(Exception):
     status: int = 500
@@ -65,11 +67,19 @@ class StreamProtocolError(TandemError):
     code = "delta_offset_mismatch"
 
 
+# --- engine and KV errors ----------------------------------------------------------------------------
+# Each knows the wire's ErrorKind (`kind`) a failed request's last delta carries: the worker reads
+# `err.kind`, never an isinstance chain. KV errors are engine errors, so a KV failure crosses the
+# engine boundary as it is (no re-wrapping); only tandem.kv.handoff turns a mover's own failure
+# (any exception) into a KvHandoffError, once.
+
+
 class EngineError(TandemError):
     """The engine failed; the request cannot go on."""
 
     status = 500
     type = "engine_error"
+    kind: ErrorKind = ErrorKind.ENGINE
 
 
 class EngineRequestError(EngineError):
@@ -77,3 +87,32 @@ class EngineRequestError(EngineError):
 
     status = 400
     type = "invalid_request_error"
+    kind = ErrorKind.BAD_REQUEST
+
+
+class CheckpointError(EngineError):
+    """A model directory cannot be loaded (missing or inconsistent files)."""
+
+
+class PagePoolError(EngineError):
+    """KV page accounting refused an operation, or found a page lost or counted twice."""
+
+
+class KvHandoffError(EngineError):
+    """The KV of a PD request did not arrive (or could not be sent): the request fails; its pages
+    are (or will be, once no write can land in them) released."""
+
+    type = "kv_transfer_error"
+    kind = ErrorKind.KV_TRANSFER
+
+
+class KvTransferError(KvHandoffError):
+    """A KV page transfer failed; the target pages hold undefined bytes."""
+
+
+class KvTransferTimeout(KvTransferError):
+    """The transfer missed its deadline; its handle was released (or is retried, never reused)."""
+
+
+class PeerGone(KvTransferError):
+    """The peer agent disconnected: its process died or it closed its agent."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.runtime.errors import CheckpointError
 from tandem.engines.reference.tokenizer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -24,10 +25,6 @@ from tandem.engines.reference.tokenizer import (
     PAD_TOKEN,
     train_tokenizer,
 )
-
-
-class CheckpointError(Exception):
-    """The directory is not a Llama checkpoint this engine can run."""
 
 
 @dataclass(frozen=True, slots=True)

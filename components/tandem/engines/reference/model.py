@@ -238,11 +238,6 @@ class Llama(nn.Module):
         w = self.lm_head.weight
         return torch.zeros(shape, dtype=w.dtype, device=w.device)
 
-    def page_bytes(self, page_size: int) -> int:
-        c = self.config
-        per = c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * c.head_dim
-        return per * self.lm_head.weight.element_size()
-
     # --- forward paths ----------------------------------------------------------------------------
     def _run(self, token_ids: Tensor, attend: _Attend) -> Tensor:
         cos = self.rope_cos[attend.positions].to(self.lm_head.weight.dtype)

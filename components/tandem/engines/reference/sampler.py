@@ -12,7 +12,7 @@ random base seed. Temperature below `GREEDY_BELOW` means greedy.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,7 @@ class SampleRow:
     params: SamplingParams
     seed: int | None  # base seed (sampler.base_seed); None for greedy
     position: int  # completion tokens before this one (0 for the first)
-    banned: Sequence[int] = ()  # ids masked out for this step (stop ids before min_tokens)
+    banned: Collection[int] = ()  # ids masked out for this step (stop ids before min_tokens)
 
 
 def sample(logits: Tensor, rows: list[SampleRow]) -> list[int]:

@@ -1,5 +1,5 @@
 """Which sequences run in the next step, and their page bookkeeping. Plain Python over PagePool;
-no torch and no threads here (the engine holds the lock around every call).
+no torch and no threads here: every call is made on the event loop thread (tandem.engines.stepper).
 
 A sequence is admitted from the waiting queue (FIFO) only when the pool can give it pages for
 `max_total` tokens up front, so decode never runs out of pages mid-request. A step is: the running
@@ -14,7 +14,7 @@ after its prefill step it leaves the batch as SENDING, keeping its pages until i
 A decode sequence ("decode") is admitted by *reserving* pages for `max_total` tokens; it waits as
 FETCHING, outside the batch but counted against `max_batch`, while its prompt's K/V is written into
 them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)` and its first
-token already in `output_ids`: it skips prefill.
+token already in `output_ids`: it skips prefill. (The handoff itself: tandem.engines.pd.)
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
+
 from tandem.kv.pages import PagePool
-from tandem.runtime.wire import FinishReason, SamplingParams
+from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -44,14 +46,16 @@ class Sequence:
     owner: str = ""  # its name in the page pool, unique per request (rids can be reused)
     pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
     seed: int | None = None  # base seed of a sampled request (sampler.base_seed)
-    output_ids: list[int] = field(default_factory=list)
+    bootstrap: Bootstrap | None = None  # PD: where the other side of its KV handoff is
+    sink: Any = None  # the OutputSink its outputs go to
+    output_ids: list[int] = field(default_factory=list)  # handed out live in cumulative mode
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
-    in_flight: bool = False  # the step thread computes on its pages right now
-    abort_requested: bool = False  # abort arrived while in flight (or in a handoff)
-    kv_busy: bool = False  # FETCHING with a transfer under way: only the fetch frees its pages
+    in_flight: bool = False  # a step computes on its pages right now: they stay until it ends
+    done: bool = False  # its last output went out, or it was cancelled: no more outputs
+    handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -114,9 +118,6 @@ class Scheduler:
     def num_running(self) -> int:
         """Admitted and not finished: computing, fetching its K/V, or sending it."""
         return len(self.running) + len(self.fetching) + len(self.sending)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def all(self) -> list[Sequence]:
         return [*self.waiting, *self.running.values(), *self.fetching.values(),

@@ -1,0 +1,313 @@
+"""Stepper: the engine loop shared by the mock and the reference engine (ARCHITECTURE.md, "Engine
+contract"): schedule -> run -> postprocess, over the Scheduler and PagePool of
+tandem.engines.scheduler. `run(batch)` is the one engine-specific hook (the mock sleeps
+for its timing model; the reference engine computes in torch on its own thread); everything else,
+admission, finishing, cancelling, page accounting, the PD handoff (tandem.engines.pd) and output
+delivery, is written here once.
+
+Threads: all bookkeeping runs on the event loop thread; `run` may compute elsewhere, but a step's
+sequences are marked in flight while it does, and their pages are not freed until it ends.
+
+Outputs: each step ends with ONE `sink.on_step(outputs)` per sink, carrying every output of the
+step. Cumulative mode hands out the sequence's own growing id list (no copy per token; a consumer
+bounds it by `completion_tokens`), incremental mode a list of the new id. Events outside a step
+(a decode request's first token after its KV arrived, a prefill's end once its KV is written, a
+handoff failure, shutdown) are delivered when they happen, one call each.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from tandem.engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    OutputSink,
+)
+from tandem.engines.pd import Handoff, HandoffSpec
+from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
+from tandem.kv.pages import PagePool
+from tandem.runtime.wire import FinishReason, Load, OutputMode, SamplingParams
+
+log = logging.getLogger("tandem.engine")
+
+
+class _Handle:
+    __slots__ = ("engine", "seq")
+
+    def __init__(self, engine: Stepper, seq: Sequence) -> None:
+        self.engine, self.seq = engine, seq
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.seq)
+
+
+def check_sampling(p: SamplingParams) -> None:
+    if p.max_tokens < 1:
+        raise EngineRequestError("max_tokens must be at least 1")
+    if p.temperature < 0:
+        raise EngineRequestError("temperature must be >= 0")
+    if not 0.0 < p.top_p <= 1.0:
+        raise EngineRequestError("top_p must be in (0, 1]")
+    if p.top_k < 0:
+        raise EngineRequestError("top_k must be >= 0 (0 disables it)")
+    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        raise EngineRequestError("min_tokens must be in [0, max_tokens]")
+
+
+class Stepper(Engine):
+    """An engine made of schedule -> `run` -> postprocess. Subclasses set `spec` and `page_bytes`
+    and implement `run`; they may override `load_memory` (called by `start`; returns the KV memory
+    a mover registers), `stop_compute` and `check_prompt`."""
+
+    page_bytes: int = 0  # bytes of one KV page: what a mover moves
+
+    def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
+                 output_mode: OutputMode, max_prefill_tokens: int,
+                 handoff: HandoffSpec | None = None) -> None:
+        if output_mode not in ("cumulative", "incremental"):
+            raise ValueError(f"output_mode must be cumulative or incremental, not {output_mode!r}")
+        if page_size <= 0 or max_batch <= 0 or num_pages <= 0:
+            raise ValueError("page_size, max_batch and num_pages must be positive")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_batch = max_batch
+        self.output_mode = output_mode
+        self.pool = PagePool(num_pages, page_size)
+        self.sched = Scheduler(self.pool, max_batch, max_prefill_tokens)
+        self._handoff_spec = handoff
+        self.handoff: Handoff | None = None
+        self._cumulative = output_mode == "cumulative"
+        self._owner_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._started = self._running = self._closed = False
+
+    # --- hooks ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def run(self, batch: Batch) -> list[int]:
+        """Compute one step: one sampled token per sequence of `batch.all()`, in that order."""
+
+    async def load_memory(self) -> Any:
+        """Load what `run` needs; return the KV memory a mover registers (None: no bytes)."""
+        return None
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Refuse a prompt this engine cannot take (raise EngineRequestError)."""
+
+    def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
+        prompt, ctx = list(req.prompt_ids), self.spec.max_context
+        if not prompt:
+            raise EngineRequestError("prompt is empty")
+        if len(prompt) >= ctx:
+            raise EngineRequestError(
+                f"prompt has {len(prompt)} tokens; this model's context is {ctx} tokens")
+        check_sampling(req.sampling)
+        self.check_prompt(prompt)
+        # A prefill-only request holds pages for its prompt alone: only its K/V is handed over.
+        max_total = len(prompt) if pd == "prefill" else min(len(prompt) + req.sampling.max_tokens,
+                                                             ctx)
+        if not self.sched.fits_at_all(max_total):
+            raise EngineRequestError(
+                f"{max_total} tokens need {self.pool.pages_for(max_total)} KV pages; "
+                f"this engine has {self.num_pages}")
+        stop = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            stop.update(self.spec.eos_token_ids)
+        return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
+                        max_total=max_total, stop_ids=frozenset(stop),
+                        owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
+                        bootstrap=req.bootstrap)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started or self._closed:
+            raise EngineError("start() called twice or after shutdown()")
+        self._started = True
+        loop = asyncio.get_running_loop()
+        memory = await self.load_memory()
+        if self._handoff_spec is not None:
+            self.handoff = self._handoff_spec.build(self, memory)
+            await self.handoff.start()
+            self.bootstrap_addr = self.handoff.address
+        self._task = loop.create_task(self._loop(), name=f"{self.name}-engine")
+        self._running = True
+
+    async def shutdown(self) -> None:
+        """End every request with "abort", stop the loop, close the handoff, free every page.
+        Safe after a partial or failed start, and twice."""
+        if self._closed:
+            return
+        self._closed, self._running = True, False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.stop_compute()
+        seqs = self.sched.all()
+        for seq in seqs:
+            seq.in_flight = False
+        self._deliver([(s, self._output(s, [], "abort")) for s in seqs if self._last(s)])
+        if self.handoff is not None:  # ends the transfers: no write can land after this
+            await self.handoff.close()
+        for seq in self.sched.all():
+            self.sched.finish(seq, "abort")
+
+    async def stop_compute(self) -> None:
+        """Wait until no step computes any more (the loop task is already stopped)."""
+
+    # --- requests ---------------------------------------------------------------------------------
+    def submit(self, req: EngineRequest, sink: OutputSink) -> _Handle:
+        if not self._running:
+            raise EngineError("engine is not running")
+        pd = ""  # a bootstrap on an engine with no handoff is served aggregated
+        if req.bootstrap is not None and self.handoff is not None:
+            pd = self.handoff.role
+        seq = self.new_sequence(req, pd)
+        seq.sink = sink
+        self.sched.add(seq)
+        if pd == "prefill":
+            assert self.handoff is not None
+            self.handoff.submitted(seq)
+        self._wake.set()
+        return _Handle(self, seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """No output after this; pages back at once, after the step computing on them, or (in a
+        KV handoff) once no transfer can write into them."""
+        if seq.done:
+            return
+        seq.done = True
+        if seq.handoff is not None and self.handoff is not None:
+            self.handoff.cancel(seq)
+        else:
+            self.free(seq)
+
+    def load(self) -> Load:
+        return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
+                    pages_free=self.pool.num_free, pages_total=self.num_pages,
+                    pages_reserved=self.pool.num_reserved)
+
+    # --- what the handoff calls (tandem.engines.pd.Host) --------------------------------------------
+    def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:
+        """Its pages are safe to reuse: give them back (after its step, if one computes now)."""
+        seq.handoff = None
+        if seq.in_flight or seq.status is SeqStatus.FINISHED:
+            return  # postprocess frees it
+        self.sched.finish(seq, reason)
+        self._wake.set()
+
+    def joined(self, seq: Sequence, first: int) -> None:
+        """Decode: the prompt's K/V is in place; the request runs on from `first`."""
+        seq.handoff = None
+        if seq.done or self._closed:
+            self.sched.finish(seq, "abort")  # nothing writes into the pages any more
+        else:
+            finish = self.sched.join(seq, first)
+            self._deliver([(seq, self._output(seq, [first], finish))])
+        self._wake.set()
+
+    def written(self, seq: Sequence, first: int) -> None:
+        """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
+        if self._last(seq):
+            seq.output_ids.append(first)
+            self._deliver([(seq, self._output(seq, [first], "length"))])
+        self.free(seq, "length")
+
+    def failed(self, seq: Sequence, error: EngineError) -> None:
+        """The request ends with `error` (its pages are the caller's to free)."""
+        if self._last(seq):
+            self._deliver([(seq, self._output(seq, [], "error", error))])
+
+    # --- the step ---------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            batch = self.sched.schedule()
+            if batch.reserved and self.handoff is not None:
+                for seq in batch.reserved:  # decode: pages reserved, its KV can be fetched now
+                    self.handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
+            seqs = batch.all()
+            if not seqs:
+                if not batch.reserved:
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
+            try:
+                tokens = await self.run(batch)
+                self._postprocess(seqs, tokens)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failing step fails its requests, not the engine
+                log.exception("%s engine step failed", self.name)
+                self._step_failed(seqs, e)
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        items: list[tuple[Sequence, EngineOutput]] = []
+        cumulative, sched = self._cumulative, self.sched
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.in_flight = False
+            if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
+                sched.finish(seq, "abort")
+                continue
+            seq.num_cached = seq.num_tokens
+            if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
+                sched.to_sending(seq)
+                assert self.handoff is not None
+                self.handoff.computed(seq, token)
+                continue
+            finish = seq.finish_after(token)
+            if finish is not None:
+                sched.finish(seq, finish)
+                seq.done = True
+            items.append((seq, EngineOutput(seq.rid, seq.output_ids if cumulative else [token],
+                                            finish, len(seq.prompt_ids), len(seq.output_ids))))
+        self._wake.set()
+        self._deliver(items)
+
+    def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:
+        error = EngineError(f"{self.name} engine step failed: {e!r}")
+        for seq in seqs:
+            seq.in_flight = False
+            self.failed(seq, error)
+            if seq.handoff is not None and self.handoff is not None:
+                self.handoff.cancel(seq)  # tells the decode side; frees the pages
+            else:
+                self.free(seq, "error")
+
+    # --- delivery ---------------------------------------------------------------------------------
+    def _last(self, seq: Sequence) -> bool:
+        """Whether `seq` may still get its last output (and mark that it got it)."""
+        if seq.done:
+            return False
+        seq.done = True
+        return True
+
+    def _output(self, seq: Sequence, new: list[int], finish: FinishReason | None,
+                error: EngineError | None = None) -> EngineOutput:
+        return EngineOutput(seq.rid, seq.output_ids if self._cumulative else new, finish,
+                            len(seq.prompt_ids), len(seq.output_ids), 0, error)
+
+    def _deliver(self, items: list[tuple[Sequence, EngineOutput]]) -> None:
+        """Hand outputs to their sequences' sinks: one on_step call per sink."""
+        if not items:
+            return
+        first_sink = items[0][0].sink
+        if all(seq.sink is first_sink for seq, _ in items):  # the usual case: one worker
+            groups = [(first_sink, [out for _, out in items])]
+        else:
+            by_sink: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
+            for seq, out in items:
+                by_sink.setdefault(id(seq.sink), (seq.sink, []))[1].append(out)
+            groups = list(by_sink.values())
+        for sink, outs in groups:
+            try:
+                sink.on_step(outs)
+            except Exception:  # a consumer's bug must not stop the engine
+                log.exception("%s engine: output sink failed", self.name)

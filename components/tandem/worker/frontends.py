@@ -1,0 +1,108 @@
+"""Frontends: what a worker keeps per frontend, and the one flush policy (ARCHITECTURE.md,
+"Backpressure").
+
+Per frontend a `FrontendLink`: its Outbox (tandem.worker.outbox: credit window, merging, first
+tokens first) and when it last said anything. Every delta produced while the event loop runs one
+iteration leaves as ONE `Deltas` message per frontend on the next iteration (so the wire carries at
+most one message per engine step per frontend, never one per token), within the frontend's window;
+while the window is full, first tokens still leave on their own. `silent()` names the frontends
+that owe credit and said nothing for too long; the server ends their requests.
+
+Sending goes through the `send` callable the server gives (it owns the socket and decides what a
+failed send means); nothing here does I/O of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from tandem.runtime.wire import Delta, Deltas, Load
+from tandem.worker.outbox import Outbox
+
+
+class FrontendLink:
+    """One frontend as a worker sees it."""
+
+    __slots__ = ("ident", "outbox", "last_heard")
+
+    def __init__(self, ident: bytes, outbox: Outbox) -> None:
+        self.ident = ident
+        self.outbox = outbox
+        self.last_heard = time.monotonic()  # when this frontend last sent anything
+
+    def silent_for(self, now: float) -> float:
+        """How long it has owed credit without a word (0 when it owes nothing)."""
+        return now - self.last_heard if self.outbox.in_flight else 0.0
+
+
+class Frontends:
+    def __init__(self, window: int, batch: int, send: Callable[[bytes, Deltas], None],
+                 load: Callable[[], Load]) -> None:
+        self.window, self.batch = window, batch
+        self._send, self._load = send, load
+        self._links: dict[bytes, FrontendLink] = {}
+        self._flush_scheduled = False
+
+    def __contains__(self, ident: bytes) -> bool:
+        return ident in self._links
+
+    @property
+    def pending(self) -> bool:
+        """Deltas are waiting for some frontend (for its credit, or for the next flush)."""
+        return any(len(link.outbox) for link in self._links.values())
+
+    # --- what a frontend said ---------------------------------------------------------------------
+    def heard(self, ident: bytes) -> None:
+        link = self._links.get(ident)
+        if link is not None:
+            link.last_heard = time.monotonic()
+
+    def hello(self, ident: bytes) -> None:
+        """A (re)connection: credit owed on the old connection will not come."""
+        link = self._links.get(ident)
+        if link is not None:
+            link.outbox.reset()
+
+    def credit(self, ident: bytes, n: int) -> None:
+        link = self._links.get(ident)
+        if link is not None:
+            link.outbox.credit(n)
+            if link.outbox.can_send:
+                self._send(ident, Deltas(link.outbox.take(), self._load()))
+
+    # --- deltas -----------------------------------------------------------------------------------
+    def emit(self, ident: bytes, delta: Delta) -> None:
+        link = self._links.get(ident)
+        if link is None:
+            link = self._links[ident] = FrontendLink(ident, Outbox(self.window, self.batch))
+        box = link.outbox
+        box.add(delta)
+        if not self._flush_scheduled and (box.in_flight < box.window or delta.offset == 0):
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self, force: bool = False) -> None:
+        """Send what each frontend's window allows (`force`: everything, past the window)."""
+        self._flush_scheduled = False
+        for ident, link in list(self._links.items()):
+            box = link.outbox
+            if force and len(box):
+                self._send(ident, Deltas(box.take(everything=True), self._load()))
+            elif box.can_send:
+                self._send(ident, Deltas(box.take(), self._load()))
+            elif box.has_first:  # the window is full: first tokens go on their own
+                self._send(ident, Deltas(box.take_first(), self._load()))
+
+    # --- ending -----------------------------------------------------------------------------------
+    def silent(self, limit_s: float) -> list[bytes]:
+        now = time.monotonic()
+        return [i for i, link in self._links.items() if link.silent_for(now) > limit_s]
+
+    def drop(self, ident: bytes, last_words: bool) -> None:
+        """Forget a frontend; with `last_words`, first send what its outbox holds, past the
+        window (ZMQ keeps it for a frontend that resumes)."""
+        link = self._links.pop(ident, None)
+        if last_words and link is not None and len(link.outbox):
+            self._send(ident, Deltas(link.outbox.take(everything=True), self._load()))
