@@ -1,4 +1,4 @@
-"""The `tandem` command: `model init`, `worker`, `frontend`, `up`.
+"""The `tandem` command: `model init`, `keys init`, `worker`, `frontend`, `up`.
 
 No flag is declared here: the worker, frontend and up parsers are generated from the config
 dataclasses (`tandem.config`, through `tandem.flags`). `tandem worker` parses its own flags first
@@ -18,7 +18,7 @@ from typing import Any
 from tandem import flags, up
 from tandem.config import Common, FrontendConfig, LOG_LEVELS, UpConfig, WorkerConfig, served_name
 
-COMMANDS = ("model", "worker", "frontend", "up")
+COMMANDS = ("model", "keys", "worker", "frontend", "up")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,13 @@ class _Parsers:
         init.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
         init.add_argument("--log-level", choices=LOG_LEVELS, default="INFO",
                           help="log level (default: INFO)")
+        self.keys = sub.add_parser("keys", help="make the cluster's CURVE key pair")
+        ksub = self.keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+        kinit = ksub.add_parser("init", help="write a new cluster key pair into a directory")
+        kinit.add_argument("dir", help="directory to write (created if missing)")
+        kinit.add_argument("--force", action="store_true", help="overwrite an existing key pair")
+        kinit.add_argument("--log-level", choices=LOG_LEVELS, default="INFO",
+                           help="log level (default: INFO)")
         self.worker = sub.add_parser(
             "worker", allow_abbrev=False, help="run one worker process serving an engine over ZMQ",
             description="Run one worker. Flags tandem does not know are passed to the engine "
@@ -93,7 +100,7 @@ def parse(argv: list[str] | None = None) -> Command:
             p.up.error(str(e))
         return Command("up", upcfg, ns, fwd)
     if extra:
-        sub = p.frontend if ns.command == "frontend" else p.model
+        sub = {"frontend": p.frontend, "keys": p.keys}.get(ns.command, p.model)
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "frontend":
         cfg = _config(p.frontend, FrontendConfig, ns)
@@ -117,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         write_tiny_model(target, seed=cmd.args.seed)
         print(f"wrote a tiny Llama checkpoint to {target}")
+        return 0
+    if cmd.name == "keys":
+        from tandem.runtime.auth import AuthError, write_keys
+
+        try:
+            where = write_keys(cmd.args.dir, force=cmd.args.force)
+        except AuthError as e:
+            print(f"tandem keys: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote the cluster key pair to {where}")
         return 0
     if isinstance(cmd.config, WorkerConfig):
         from tandem.worker.main import run_worker

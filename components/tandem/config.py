@@ -162,6 +162,9 @@ class Common:
     drain_timeout_s: float = opt(10.0, "on SIGTERM, seconds in-flight requests get to finish "
                                  "before they are ended", flag="--drain-timeout",
                                  type=non_negative_float)
+    auth_keys: str = opt("", "directory holding the cluster's CURVE key pair (`tandem keys init "
+                         "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only)",
+                         metavar="DIR")
 
 
 @dataclass(frozen=True)

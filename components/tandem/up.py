@@ -71,7 +71,7 @@ def forwarded(ns: argparse.Namespace, engine_args: tuple[str, ...] = ()) -> Forw
         raise ValueError(f"unrecognized arguments: {' '.join(engine_args)} (only --engine "
                          f"{'/'.join(PASSTHROUGH_ENGINES)} takes engine flags)")
     common = [tok for f in flags.flags_of(Common, exclude=("model", "host"))
-              for tok in flags.render(f, getattr(ns, f.dest))]
+              if getattr(ns, f.dest) != f.default for tok in flags.render(f, getattr(ns, f.dest))]
     worker = [*common, *flags.render_given(worker_flags(), ns), *engine_args]
     frontend = [*common, *flags.render_given(frontend_flags(), ns)]
     name = str(getattr(ns, "served_model_name", "") or served_name(ns.model))

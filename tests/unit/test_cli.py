@@ -55,7 +55,7 @@ def test_every_flag_has_help_that_shows_its_default(cls: type) -> None:
         assert "(required)" in text or "(default:" in text, (flag.flag, text)
 
 
-@pytest.mark.parametrize("command", ["worker", "frontend", "up", "model"])
+@pytest.mark.parametrize("command", ["worker", "frontend", "up", "model", "keys"])
 def test_help_of_each_command_lists_its_flags(command: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -209,10 +209,11 @@ def test_up_forwards_every_worker_and_frontend_flag_exactly(model: str) -> None:
 def test_up_forwards_only_what_was_given(model: str) -> None:
     cmd = parse(["up", "--model", model, "--page-size", "8", "--router-policy", "round-robin"])
     assert cmd.forwarded is not None
-    assert cmd.forwarded.worker == ("--log-level", "INFO", "--drain-timeout", "10.0",
-                                    "--page-size", "8")
-    assert cmd.forwarded.frontend == ("--log-level", "INFO", "--drain-timeout", "10.0",
-                                      "--router-policy", "round-robin")
+    assert cmd.forwarded.worker == ("--page-size", "8")
+    assert cmd.forwarded.frontend == ("--router-policy", "round-robin")
+    keyed = parse(["up", "--model", model, "--auth-keys", "/k", "--log-level", "DEBUG"]).forwarded
+    assert keyed is not None
+    assert keyed.worker == keyed.frontend == ("--log-level", "DEBUG", "--auth-keys", "/k")
 
 
 def test_up_passes_engine_flags_to_every_worker_after_its_own(model: str,
@@ -276,6 +277,15 @@ def test_a_child_that_dies_is_reported_and_can_be_restarted(model: str, tmp_path
     assert again.pid != dead.pid and cluster.procs["w"] is again
     again.popen.wait(30)
     cluster.stop()
+
+
+def test_keys_init_writes_a_key_pair_once(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "keys"
+    assert main(["keys", "init", str(target)]) == 0
+    assert sorted(p.name for p in target.iterdir()) == ["cluster.key", "cluster.key_secret"]
+    assert main(["keys", "init", str(target)]) == 1  # never overwritten without --force
+    assert "tandem keys:" in capsys.readouterr().err
 
 
 def test_served_name_is_the_directory_name_as_given(tmp_path: Path,
