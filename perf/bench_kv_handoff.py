@@ -1,10 +1,9 @@
 """KV handoff microbenchmark: NIXL WRITE of page-major KV pages between two processes vs an
-in-process copy of the same pages, side by side in one run, reported as ratios (DESIGN §7).
+in-process copy of the same pages, side by side in one run, reported as ratios.
 
 For each page shape and handoff size the same scattered page set (runs of 1..16 pages, on both
 sides, from pools twice the handoff size) is moved by:
-- nixl x1 / nixl x2: `KvAgent.write_pages` (with a notification; --no-notif: without) into
-  another process, with one or two copy streams; timed from the call until every byte is in
+- nixl x1 / nixl x2: `KvAgent.write_pages` into another process, with one or two copy streams; timed from the call until every byte is in
   place. KV memory: --memory thp (default) huge-page advised and pre-faulted, as `KvAgent` does
   by default; --memory 4k: torch.zeros, faulted in 4 KiB pages.
 - copy: this process copies the same pages between two tensors with torch: the fastest of
@@ -98,10 +97,8 @@ def target_main(conn: Connection, num_pages: int, page_shape: tuple[int, ...], m
     page_bytes = kv[0].numel() * 4
     agent = KvAgent(f"bench-decode-{os.getpid()}", kv, page_bytes, num_pages, prefault=False)
     conn.send((agent.metadata(), agent.layout(), os.getpid()))
-    num_notifs = 0
     while True:
-        num_notifs += len(agent.poll_notifs())
-        if not conn.poll(0.01):
+        if not conn.poll(0.01):  # (the agent's own thread makes progress meanwhile)
             continue
         cmd, arg = conn.recv()
         if cmd == "peer":
@@ -109,10 +106,6 @@ def target_main(conn: Connection, num_pages: int, page_shape: tuple[int, ...], m
             conn.send(True)
         elif cmd == "digest":  # of the given pages, to check the bytes landed
             conn.send(digest(kv, arg))
-        elif cmd == "notifs":
-            time.sleep(0.05)
-            conn.send(num_notifs + len(agent.poll_notifs()))
-            num_notifs = 0
         elif cmd == "stop":
             break
     agent.close()
@@ -167,7 +160,7 @@ def copiers(
 
 
 async def run_shape(
-    shape_name: str, sizes_mib: list[int], reps: int, memory: str, notif: bool
+    shape_name: str, sizes_mib: list[int], reps: int, memory: str
 ) -> list[Case]:
     page_shape = PAGE_SHAPES[shape_name]
     page_bytes = int(np.prod(page_shape)) * 4
@@ -191,9 +184,8 @@ async def run_shape(
             agents.append(agent)
             peer = agent.add_peer(md, layout)
             ask(conn, "peer", (agent.metadata(), agent.layout()))
-            await agent.write_pages(peer, [0], [0], b"warm", deadline_s=30.0)
+            await agent.write_pages(peer, [0], [0], deadline_s=30.0)
         peer = agents[0].peers[0]
-        assert ask(conn, "notifs") == 2, "a warm-up notification went missing"
         cases = []
         rng = np.random.default_rng(42)
         for mib in sizes_mib:
@@ -207,8 +199,7 @@ async def run_shape(
             for r in range(reps + 1):
                 for agent, key in zip(agents, ("x1", "x2")):
                     await asyncio.sleep(SETTLE_S)
-                    note = b"%d" % r if notif else b""
-                    res = await agent.write_pages(peer, local, remote, note, deadline_s=60.0)
+                    res = await agent.write_pages(peer, local, remote, deadline_s=60.0)
                     times[key].append(res.seconds)
                     descs = res.num_descriptors
                 for key, fn in copy.items():
@@ -219,8 +210,6 @@ async def run_shape(
             times = {k: v[1:] for k, v in times.items()}
             assert ask(conn, "digest", remote) == digest(src, local), "bytes differ on the target"
             assert torch.equal(dst[remote], src[local])
-            num_notifs, want_notifs = ask(conn, "notifs"), 2 * (reps + 1) if notif else 0
-            assert num_notifs == want_notifs, f"{num_notifs} notifications, not {want_notifs}"
             method = min(copy, key=lambda k: statistics.median(times[k]))
             times["copy"] = times[method]
             nbytes = n * page_bytes
@@ -252,7 +241,6 @@ def write_results(cases: list[Case], args: argparse.Namespace, command: str, out
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "ucx_env": {k: os.environ.get(k) for k in UCX_ENV},
         "memory": args.memory,
-        "notif": args.notif,
         "reps": args.reps,
         "loadavg_1min_start_end": args.loadavg,
     }
@@ -265,7 +253,6 @@ def write_results(cases: list[Case], args: argparse.Namespace, command: str, out
         (
             f"Machine: {env['cpus']} CPUs, kernel {env['kernel']}, torch {env['torch']} "
             f"({env['torch_threads']} threads), UCX {env['ucx_env']}, memory={args.memory}, "
-            f"notif={args.notif}, "
             f"median of {args.reps} reps, 1-min load average {args.loadavg[0]:.2f} at start and "
             f"{args.loadavg[1]:.2f} at end (the machine is shared). GB = 1e9 bytes."
         ),
@@ -295,8 +282,6 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(PAGE_SHAPES), choices=list(PAGE_SHAPES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--memory", choices=["thp", "4k"], default="thp")
-    ap.add_argument("--notif", action=argparse.BooleanOptionalAction, default=True,
-                    help="send a NIXL notification with every write (default: yes)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     for k, v in UCX_ENV.items():
@@ -306,7 +291,7 @@ def main() -> None:
     cases: list[Case] = []
     args.loadavg = [os.getloadavg()[0]]
     for shape in args.shapes:
-        cases += asyncio.run(run_shape(shape, args.sizes_mib, args.reps, args.memory, args.notif))
+        cases += asyncio.run(run_shape(shape, args.sizes_mib, args.reps, args.memory))
     args.loadavg.append(os.getloadavg()[0])
     write_results(cases, args, command, args.out)
     print(f"wrote {args.out / 'kv_handoff.json'} and {args.out / 'kv_handoff.md'}")

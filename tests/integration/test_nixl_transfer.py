@@ -3,8 +3,8 @@
 The decode side (target) runs in a spawned process with a page-major KV tensor; the prefill side
 (initiator) is this test process. As in PD, only the target's metadata and layout travel: the
 initiator loads them, the target never loads the initiator's. Checks: exact bytes in the right
-pages and nowhere else, the notification, a dead peer failing fast, a deadline that fires and
-leaves no handle behind. Every spawned process is stopped by PID with a deadline.
+pages and nowhere else, a dead peer failing fast, a deadline that fires and leaves no handle
+behind. Every spawned process is stopped by PID with a deadline.
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ pytest.importorskip("nixl")
 
 import torch  # noqa: E402
 
-from tandem.kv.nixl_transfer import (  # noqa: E402
-    KvAgent,
-    KvLayout,
-    KvTransferError,
-    KvTransferTimeout,
-    PeerGone,
-)
+from tandem.kv.nixl_transfer import KvAgent  # noqa: E402
+from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone  # noqa: E402
+from tandem.runtime.wire import KvLayout  # noqa: E402
 
 UCX_ENV = {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 
@@ -55,20 +51,16 @@ def _target_main(conn: Connection, name: str, progress: bool) -> None:
     interval = 0.001 if progress else None
     agent = KvAgent(name, kv, PAGE_BYTES, NUM_PAGES, progress_interval_s=interval)
     conn.send((agent.metadata(), agent.layout(), os.getpid()))
-    notifs: list[tuple[str, bytes]] = []
     while True:
         if progress:
-            notifs += agent.poll_notifs()
+            agent.progress()
         if not conn.poll(0.001):
             continue
         cmd = conn.recv()
         if cmd == "stop":
             break
-        if cmd == "progress":  # from now on poll_notifs() above makes progress
+        if cmd == "progress":  # from now on progress() above runs
             progress = True
-        elif cmd == "notifs":
-            conn.send(notifs)
-            notifs = []
         elif cmd == "pages":
             conn.send(kv.numpy().tobytes())
     agent.close()
@@ -144,7 +136,7 @@ def target(ucx_env: None) -> Iterator[Target]:
     t.stop()
 
 
-async def test_scattered_pages_land_exactly_with_notification(
+async def test_scattered_pages_land_exactly(
     source: tuple[KvAgent, torch.Tensor], target: Target
 ) -> None:
     agent, src = source
@@ -154,24 +146,19 @@ async def test_scattered_pages_land_exactly_with_notification(
     # Runs contiguous on both sides merge: (0-3 -> 5-8), 7->0, (10,11 -> 12,13), 20->30, 31->1.
     local = [0, 1, 2, 3, 7, 10, 11, 20, 31]
     remote = [5, 6, 7, 8, 0, 12, 13, 30, 1]
-    result = await agent.write_pages(peer, local, remote, b"room-1", deadline_s=10.0)
+    result = await agent.write_pages(peer, local, remote, deadline_s=10.0)
     assert (result.num_pages, result.num_bytes) == (9, 9 * PAGE_BYTES)
     assert result.num_descriptors == 5
     want[remote] = src[local]
     assert torch.equal(target.pages(), want)
 
-    # Two streams of 8 pages each; notified once, after both.
+    # Two streams of 8 pages each.
     local2 = list(range(12, 28))
     remote2 = [14, 15, 16, 17, 18, 19, 20, 21, 2, 3, 4, 22, 23, 24, 25, 26]
-    await agent.write_pages(peer, local2, remote2, b"room-2", deadline_s=10.0)
+    await agent.write_pages(peer, local2, remote2, deadline_s=10.0)
     want[remote2] = src[local2]
     assert torch.equal(target.pages(), want)
 
-    deadline = time.monotonic() + 5.0
-    notifs: list[tuple[str, bytes]] = []
-    while len(notifs) < 2 and time.monotonic() < deadline:
-        notifs += [n for n in target.ask("notifs") if n[0] == agent.name]
-    assert notifs == [(agent.name, b"room-1"), (agent.name, b"room-2")]
     assert agent.num_open_transfers == 0
 
 
@@ -194,7 +181,7 @@ async def test_bad_requests_are_rejected(
     with pytest.raises(KvTransferError):
         await agent.write_pages(peer, [0], [0], deadline_s=1.0)
     assert agent.add_peer(target.metadata, target.layout) == peer  # and back again
-    await agent.write_pages(peer, [0], [0], b"back", deadline_s=10.0)
+    await agent.write_pages(peer, [0], [0], deadline_s=10.0)
     assert agent.num_open_transfers == 0
 
 
@@ -205,12 +192,12 @@ async def test_dead_peer_fails_fast_with_peer_gone() -> None:
     try:
         warm_peer = warm.add_peer(target.metadata, target.layout)
         cold_peer = cold.add_peer(target.metadata, target.layout)
-        await warm.write_pages(warm_peer, [0], [0], b"hello", deadline_s=10.0)
+        await warm.write_pages(warm_peer, [0], [0], deadline_s=10.0)
         target.kill()
         for agent, peer, pages in ((warm, warm_peer, [1, 2]), (cold, cold_peer, list(range(16)))):
             t0 = time.monotonic()
             with pytest.raises(PeerGone):
-                await agent.write_pages(peer, pages, pages, b"room", deadline_s=2.0)
+                await agent.write_pages(peer, pages, pages, deadline_s=2.0)
             assert time.monotonic() - t0 < 2.0
             assert agent.num_open_transfers == 0
             agent.remove_peer(peer)
@@ -228,13 +215,13 @@ async def test_deadline_fires_and_releases_handle(source: tuple[KvAgent, torch.T
         for pages in ([3], list(range(16))):  # inline, then two streams
             t0 = time.monotonic()
             with pytest.raises(KvTransferTimeout):
-                await agent.write_pages(peer, pages, pages, b"late", deadline_s=0.5)
+                await agent.write_pages(peer, pages, pages, deadline_s=0.5)
             assert 0.5 <= time.monotonic() - t0 < 3.0
             assert agent.num_open_transfers == 0
         # The agent stays usable: once the target makes progress, writes complete.
         quiet.conn.send("progress")
         for local, remote in (([16], [8]), (list(range(16, 32)), list(range(16)))):
-            await agent.write_pages(peer, local, remote, b"ok", deadline_s=10.0)
+            await agent.write_pages(peer, local, remote, deadline_s=10.0)
             assert torch.equal(quiet.pages()[remote], src[local])
         assert agent.num_open_transfers == 0
     finally:

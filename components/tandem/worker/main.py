@@ -10,7 +10,7 @@ import os
 
 from tandem.config import WorkerConfig
 from tandem.engines.factory import make_engine
-from tandem.runtime import lifecycle
+from tandem.runtime import auth, lifecycle, transport
 from tandem.runtime.wire import WorkerInfo
 from tandem.worker.health import HealthServer
 from tandem.worker.server import WorkerServer
@@ -23,6 +23,9 @@ def run_worker(cfg: WorkerConfig) -> None:
 
 
 async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    # Every socket of this process (frontends, KV bootstrap) authenticates with the cluster keys;
+    # without them, nothing binds beyond loopback.
+    transport.use_keys(auth.load_keys(cfg.auth_keys) if cfg.auth_keys else None)
     name = cfg.name or f"{cfg.role}-{cfg.engine}-{cfg.port}-{os.getpid()}"
     engine = make_engine(cfg, name)
     server: WorkerServer | None = None
