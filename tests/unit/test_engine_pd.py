@@ -1,0 +1,257 @@
+"""The engine-side PD handoff state machine (tandem.engines.pd) without sockets: the mock engine
+with in-memory fake channels, each scripted on purpose (a room that comes late or never, a fetch
+that is cancelled, a write that is slow), as httpcore tests its protocols with mock streams. The
+page rules checked: pages a transfer may still write into come back only when the channel
+releases them; pages held for a write come back only when it ends; a request cancelled before its
+handoff began frees at once; every scenario ends with every page free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.engines.mock import MockEngine, mock_token
+from tandem.engines.pd import DecodeHandoff, Host, PrefillHandoff
+from tandem.kv.handoff import Destination
+from tandem.runtime.errors import KvHandoffError
+from tandem.runtime.wire import Bootstrap, SamplingParams
+from tests.conformance.harness import Recorder, finished, wait_idle
+
+VOCAB = 500
+B = Bootstrap("fake", 1, 7)
+
+
+@pytest.fixture
+def mock_dir(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"vocab_size": VOCAB, "max_position_embeddings": 128, "eos_token_id": 2}))
+    return str(tmp_path)
+
+
+@dataclass
+class FakeDecodeChannel:
+    """fetch(): records the call, then waits for the test to `deliver` or `fail` it. On failure or
+    cancellation the pages are released only when the test says `writes_over()`."""
+
+    calls: list[list[int]] = field(default_factory=list)
+    result: asyncio.Future[int] | None = None
+    release: Callable[[], None] | None = None
+
+    async def fetch(self, bootstrap: Bootstrap, pages: list[int],
+                    release: Callable[[], None]) -> int:
+        self.calls.append(pages)
+        self.release = release
+        self.result = asyncio.get_running_loop().create_future()
+        try:
+            return await self.result
+        except KvHandoffError:
+            raise  # released later, by writes_over()
+        except asyncio.CancelledError:
+            raise
+
+    def writes_over(self) -> None:
+        assert self.release is not None
+        self.release()
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakePrefillChannel:
+    address: str = "fake:1"
+    room: asyncio.Future[Destination] | None = None
+    writes: list[asyncio.Future[KvHandoffError | None]] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        self.room = asyncio.get_running_loop().create_future()
+
+    async def wait_room(self, room: int) -> Destination:
+        assert self.room is not None
+        return await self.room
+
+    def send(self, room: int, dest: Destination, local_pages: Any,
+             first_token: int) -> asyncio.Task[KvHandoffError | None]:
+        done: asyncio.Future[KvHandoffError | None] = asyncio.get_running_loop().create_future()
+        self.writes.append(done)
+
+        async def write() -> KvHandoffError | None:
+            return await done
+
+        return asyncio.ensure_future(write())
+
+    def fail(self, room: int, error: str) -> None:
+        self.failed.append((room, error))
+
+    async def close(self) -> None:
+        for w in self.writes:
+            if not w.done():
+                w.cancel()
+
+
+class Spec:
+    def __init__(self, kind: type, channel: Any) -> None:
+        self.kind, self.channel = kind, channel
+
+    def build(self, host: Host, memory: Any) -> Any:
+        return self.kind(host, self.channel)
+
+
+async def engine(mock_dir: str, kind: type, channel: Any, **kw: Any) -> MockEngine:
+    e = MockEngine(mock_dir, page_size=4, num_pages=32, handoff=Spec(kind, channel), **kw)
+    await e.start()
+    return e
+
+
+def first_ids(prompt: list[int], n: int) -> list[int]:
+    return [mock_token(prompt, i, VOCAB, frozenset({2})) for i in range(n)]
+
+
+async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
+    ch = FakeDecodeChannel()
+    d = await engine(mock_dir, DecodeHandoff, ch)
+    try:
+        run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        while ch.result is None:
+            await asyncio.sleep(0)
+        assert d.load().pages_reserved == d.pool.pages_for(3 + 5)
+        assert ch.calls == [d.pool.pages_of(d.pool.owners()[0])[:1]]  # the prompt's pages
+        want = first_ids([4, 5, 6], 5)
+        ch.result.set_result(want[0])
+        await finished(run)
+        assert run.outputs[0][0] == want[:1] and run.ids == want and run.finish == "length"
+        await wait_idle(d)
+    finally:
+        await d.shutdown()
+
+
+async def test_decode_failure_ends_at_once_but_pages_wait_for_release(mock_dir: str) -> None:
+    ch = FakeDecodeChannel()
+    d = await engine(mock_dir, DecodeHandoff, ch)
+    try:
+        run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        while ch.result is None:
+            await asyncio.sleep(0)
+        ch.result.set_exception(KvHandoffError("no KV"))
+        await finished(run)
+        assert isinstance(run.error, KvHandoffError) and run.finish == "error"
+        await asyncio.sleep(0.01)
+        assert d.load().pages_reserved > 0  # quarantined: a write might still land
+        ch.writes_over()
+        await wait_idle(d, timeout=0.5)
+    finally:
+        await d.shutdown()
+
+
+async def test_decode_cancelled_mid_fetch_is_silent_and_quarantined(mock_dir: str) -> None:
+    ch = FakeDecodeChannel()
+    d = await engine(mock_dir, DecodeHandoff, ch)
+    try:
+        run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        while ch.result is None:
+            await asyncio.sleep(0)
+        assert run.handle is not None
+        run.handle.cancel()
+        await asyncio.sleep(0.01)
+        assert d.load().pages_reserved > 0 and run.outputs == []
+        ch.writes_over()
+        await wait_idle(d, timeout=0.5)
+    finally:
+        await d.shutdown()
+
+
+async def test_decode_cancelled_before_its_fetch_began_frees_at_once(mock_dir: str) -> None:
+    ch = FakeDecodeChannel()
+    d = await engine(mock_dir, DecodeHandoff, ch)
+    try:
+        run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        while d.load().pages_reserved == 0:  # reserved; the fetch task has not run yet
+            await asyncio.sleep(0)
+        assert run.handle is not None and ch.calls == []
+        run.handle.cancel()
+        await wait_idle(d, timeout=0.5)
+        assert ch.calls == [] and run.outputs == []
+    finally:
+        await d.shutdown()
+
+
+async def test_prefill_waits_for_room_writes_then_ends(mock_dir: str) -> None:
+    ch = FakePrefillChannel()
+    p = await engine(mock_dir, PrefillHandoff, ch)
+    try:
+        assert p.bootstrap_addr == "fake:1"
+        run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        await asyncio.sleep(0.01)  # computed, waiting for the room: the prompt's pages held
+        assert p.load().pages_free == 31 and not ch.writes
+        assert ch.room is not None
+        ch.room.set_result(Destination(b"d", "d", [9]))
+        while not ch.writes:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert p.load().pages_free == 31 and run.outputs == []  # held for the write
+        ch.writes[0].set_result(None)
+        await finished(run)
+        assert run.outputs == [(first_ids([4, 5, 6], 1), "length", 1)]
+        assert ch.failed == []
+        await wait_idle(p)
+    finally:
+        await p.shutdown()
+
+
+async def test_prefill_cancelled_during_its_write_keeps_pages_until_it_ends(
+        mock_dir: str) -> None:
+    ch = FakePrefillChannel()
+    p = await engine(mock_dir, PrefillHandoff, ch)
+    try:
+        run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        assert ch.room is not None
+        ch.room.set_result(Destination(b"d", "d", [9]))
+        while not ch.writes:
+            await asyncio.sleep(0.001)
+        assert run.handle is not None
+        run.handle.cancel()
+        await asyncio.sleep(0.01)
+        assert p.load().pages_free == 31  # the write goes on into the decode side's pages
+        ch.writes[0].set_result(None)
+        await wait_idle(p, timeout=0.5)
+        assert run.outputs == [] and ch.failed == []
+    finally:
+        await p.shutdown()
+
+
+async def test_prefill_cancelled_before_its_write_fails_the_room(mock_dir: str) -> None:
+    ch = FakePrefillChannel()
+    p = await engine(mock_dir, PrefillHandoff, ch)
+    try:
+        run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        await asyncio.sleep(0.01)
+        assert run.handle is not None
+        run.handle.cancel()
+        await wait_idle(p, timeout=0.5)
+        assert ch.failed == [(7, "the prefill request was aborted")] and run.outputs == []
+    finally:
+        await p.shutdown()
+
+
+async def test_prefill_write_failure_ends_with_a_kv_error(mock_dir: str) -> None:
+    ch = FakePrefillChannel()
+    p = await engine(mock_dir, PrefillHandoff, ch)
+    try:
+        run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        assert ch.room is not None
+        ch.room.set_result(Destination(b"d", "d", [9]))
+        while not ch.writes:
+            await asyncio.sleep(0.001)
+        ch.writes[0].set_result(KvHandoffError("write failed"))
+        await finished(run)
+        assert isinstance(run.error, KvHandoffError)
+        await wait_idle(p)
+    finally:
+        await p.shutdown()
