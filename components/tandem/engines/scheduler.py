@@ -55,6 +55,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     in_flight: bool = False  # a step computes on its pages right now: they stay until it ends
     done: bool = False  # its last output went out, or it was cancelled: no more outputs
+    cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
 
     def __post_init__(self) -> None:

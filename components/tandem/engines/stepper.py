@@ -1,12 +1,16 @@
 """Stepper: the engine loop shared by the mock and the reference engine (ARCHITECTURE.md, "Engine
-contract"): schedule -> run -> postprocess, over the Scheduler and PagePool of
-tandem.engines.scheduler. `run(batch)` is the one engine-specific hook (the mock sleeps
-for its timing model; the reference engine computes in torch on its own thread); everything else,
+contract"): schedule -> compute -> postprocess, over the Scheduler and PagePool of
+tandem.engines.scheduler. Computing a step is the one engine-specific hook (the mock sleeps for
+its timing model in `run`; the reference engine runs torch in `compute`); everything else,
 admission, finishing, cancelling, page accounting, the PD handoff (tandem.engines.pd) and output
 delivery, is written here once.
 
-Threads: all bookkeeping runs on the event loop thread; `run` may compute elsewhere, but a step's
-sequences are marked in flight while it does, and their pages are not freed until it ends.
+Two drivers of the same step. On the loop (`run`, the mock): the step is a task that awaits `run`.
+On a step thread (`compute`, the reference engine): the thread schedules, computes and
+postprocesses, and hands the step to the loop with ONE `call_soon_threadsafe`, which delivers it
+with one `on_step` per sink; the thread goes on with the next step at once. Either way the
+scheduler and the pool are touched under `self._lock` (uncontended on the loop driver), a step's
+sequences are in flight while it computes, and their pages are not freed until it ends.
 
 Outputs: each step ends with ONE `sink.on_step(outputs)` per sink, carrying every output of the
 step. Cumulative mode hands out the sequence's own growing id list (no copy per token; a consumer
@@ -17,10 +21,10 @@ handoff failure, shutdown) are delivered when they happen, one call each.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import itertools
 import logging
+import threading
 from typing import Any
 
 from tandem.engines.base import (
@@ -37,6 +41,9 @@ from tandem.kv.pages import PagePool
 from tandem.runtime.wire import FinishReason, Load, OutputMode, SamplingParams
 
 log = logging.getLogger("tandem.engine")
+
+IDLE_WAIT_S = 0.5  # an idle step thread re-checks for work this often, even without a wake-up
+Items = list[tuple[Sequence, EngineOutput]]
 
 
 class _Handle:
@@ -62,12 +69,27 @@ def check_sampling(p: SamplingParams) -> None:
         raise EngineRequestError("min_tokens must be in [0, max_tokens]")
 
 
+class _Step:
+    """What a step hands to the loop: outputs to deliver, prefills whose first token was sampled,
+    decode requests whose pages were reserved, PD requests whose step failed."""
+
+    __slots__ = ("items", "computed", "reserved", "failed")
+
+    def __init__(self, reserved: list[Sequence]) -> None:
+        self.items: Items = []
+        self.computed: list[tuple[Sequence, int]] = []
+        self.reserved = reserved
+        self.failed: list[Sequence] = []
+
+
 class Stepper(Engine):
-    """An engine made of schedule -> `run` -> postprocess. Subclasses set `spec` and `page_bytes`
-    and implement `run`; they may override `load_memory` (called by `start`; returns the KV memory
-    a mover registers), `stop_compute` and `check_prompt`."""
+    """An engine made of schedule -> compute -> postprocess. Subclasses set `spec` and
+    `page_bytes`, and implement `run` (loop driver) or set `step_thread` and implement `compute`
+    (thread driver); they may override `load_memory` (called by `start`; returns the KV memory a
+    mover registers) and `check_prompt`."""
 
     page_bytes: int = 0  # bytes of one KV page: what a mover moves
+    step_thread = False
 
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
                  output_mode: OutputMode, max_prefill_tokens: int,
@@ -86,17 +108,23 @@ class Stepper(Engine):
         self.handoff: Handoff | None = None
         self._cumulative = output_mode == "cumulative"
         self._owner_ids = itertools.count()
-        self._wake = asyncio.Event()
+        self._lock = threading.Condition(threading.RLock())  # the scheduler and the pool
+        self._wake = asyncio.Event()  # loop driver: there may be work
         self._task: asyncio.Task[None] | None = None
-        self._started = self._running = self._closed = False
+        self._thread: threading.Thread | None = None
+        self._started = self._running = self._closed = self._stopping = False
 
     # --- hooks ------------------------------------------------------------------------------------
-    @abc.abstractmethod
     async def run(self, batch: Batch) -> list[int]:
-        """Compute one step: one sampled token per sequence of `batch.all()`, in that order."""
+        """Loop driver: compute one step, one sampled token per sequence of `batch.all()`."""
+        raise NotImplementedError
+
+    def compute(self, batch: Batch) -> list[int]:
+        """Thread driver: the same, on the step thread."""
+        raise NotImplementedError
 
     async def load_memory(self) -> Any:
-        """Load what `run` needs; return the KV memory a mover registers (None: no bytes)."""
+        """Load what the step needs; return the KV memory a mover registers (None: no bytes)."""
         return None
 
     def check_prompt(self, prompt: list[int]) -> None:
@@ -137,31 +165,41 @@ class Stepper(Engine):
             self.handoff = self._handoff_spec.build(self, memory)
             await self.handoff.start()
             self.bootstrap_addr = self.handoff.address
-        self._task = loop.create_task(self._loop(), name=f"{self.name}-engine")
+        if self.step_thread:
+            self._thread = threading.Thread(target=self._thread_main, args=(loop,), daemon=True,
+                                            name=f"tandem-{self.name}-step")
+            self._thread.start()
+        else:
+            self._task = loop.create_task(self._loop(), name=f"{self.name}-engine")
         self._running = True
 
     async def shutdown(self) -> None:
-        """End every request with "abort", stop the loop, close the handoff, free every page.
+        """End every request with "abort", stop stepping, close the handoff, free every page.
         Safe after a partial or failed start, and twice."""
         if self._closed:
             return
         self._closed, self._running = True, False
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await self.stop_compute()
-        seqs = self.sched.all()
-        for seq in seqs:
-            seq.in_flight = False
-        self._deliver([(s, self._output(s, [], "abort")) for s in seqs if self._last(s)])
+        thread, self._thread = self._thread, None
+        if thread is not None:  # a step still computing ends before its pages are freed; the
+            await asyncio.to_thread(thread.join)  # steps it handed over are delivered first
+        with self._lock:
+            seqs = self.sched.all()
+            for seq in seqs:
+                seq.in_flight = False
+            ended = [s for s in seqs if self._last(s)]
+        self._deliver([(s, self._output(s, [], "abort")) for s in ended])
         if self.handoff is not None:  # ends the transfers: no write can land after this
             await self.handoff.close()
-        for seq in self.sched.all():
-            self.sched.finish(seq, "abort")
-
-    async def stop_compute(self) -> None:
-        """Wait until no step computes any more (the loop task is already stopped)."""
+        with self._lock:
+            for seq in self.sched.all():
+                self.sched.finish(seq, "abort")
 
     # --- requests ---------------------------------------------------------------------------------
     def submit(self, req: EngineRequest, sink: OutputSink) -> _Handle:
@@ -172,85 +210,144 @@ class Stepper(Engine):
             pd = self.handoff.role
         seq = self.new_sequence(req, pd)
         seq.sink = sink
-        self.sched.add(seq)
+        with self._lock:
+            self.sched.add(seq)
+            self._notify()
         if pd == "prefill":
             assert self.handoff is not None
             self.handoff.submitted(seq)
-        self._wake.set()
         return _Handle(self, seq)
 
     def cancel(self, seq: Sequence) -> None:
         """No output after this; pages back at once, after the step computing on them, or (in a
         KV handoff) once no transfer can write into them."""
-        if seq.done:
-            return
-        seq.done = True
+        with self._lock:
+            if seq.done:
+                return
+            seq.done = seq.cancelled = True
         if seq.handoff is not None and self.handoff is not None:
             self.handoff.cancel(seq)
         else:
             self.free(seq)
 
     def load(self) -> Load:
-        return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
-                    pages_free=self.pool.num_free, pages_total=self.num_pages,
-                    pages_reserved=self.pool.num_reserved)
+        with self._lock:
+            return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
+                        pages_free=self.pool.num_free, pages_total=self.num_pages,
+                        pages_reserved=self.pool.num_reserved)
 
-    # --- what the handoff calls (tandem.engines.pd.Host) --------------------------------------------
+    # --- what the handoff calls (tandem.engines.pd.Host), on the loop --------------------------------
     def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:
         """Its pages are safe to reuse: give them back (after its step, if one computes now)."""
-        seq.handoff = None
-        if seq.in_flight or seq.status is SeqStatus.FINISHED:
-            return  # postprocess frees it
-        self.sched.finish(seq, reason)
-        self._wake.set()
+        with self._lock:
+            seq.handoff = None
+            if seq.in_flight or seq.status is SeqStatus.FINISHED:
+                return  # postprocess frees it
+            self.sched.finish(seq, reason)
+            self._notify()
 
     def joined(self, seq: Sequence, first: int) -> None:
         """Decode: the prompt's K/V is in place; the request runs on from `first`."""
-        seq.handoff = None
-        if seq.done or self._closed:
-            self.sched.finish(seq, "abort")  # nothing writes into the pages any more
-        else:
+        with self._lock:
+            seq.handoff = None
+            if seq.done or self._closed:
+                self.sched.finish(seq, "abort")  # nothing writes into the pages any more
+                self._notify()
+                return
             finish = self.sched.join(seq, first)
-            self._deliver([(seq, self._output(seq, [first], finish))])
-        self._wake.set()
+            seq.done = finish is not None
+            self._notify()
+        self._deliver([(seq, self._output(seq, [first], finish))])
 
     def written(self, seq: Sequence, first: int) -> None:
         """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
-        if self._last(seq):
-            seq.output_ids.append(first)
+        with self._lock:
+            last = self._last(seq)
+            if last:
+                seq.output_ids.append(first)
+        if last:
             self._deliver([(seq, self._output(seq, [first], "length"))])
         self.free(seq, "length")
 
     def failed(self, seq: Sequence, error: EngineError) -> None:
         """The request ends with `error` (its pages are the caller's to free)."""
-        if self._last(seq):
+        with self._lock:
+            last = self._last(seq)
+        if last:
             self._deliver([(seq, self._output(seq, [], "error", error))])
 
     # --- the step ---------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        """There may be work (called holding the lock)."""
+        if self.step_thread:
+            self._lock.notify()
+        else:
+            self._wake.set()
+
     async def _loop(self) -> None:
         while True:
-            batch = self.sched.schedule()
-            if batch.reserved and self.handoff is not None:
-                for seq in batch.reserved:  # decode: pages reserved, its KV can be fetched now
-                    self.handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
+            with self._lock:
+                batch = self.sched.schedule()
             seqs = batch.all()
-            if not seqs:
-                if not batch.reserved:
-                    self._wake.clear()
-                    await self._wake.wait()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            try:
-                tokens = await self.run(batch)
-                self._postprocess(seqs, tokens)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a failing step fails its requests, not the engine
-                log.exception("%s engine step failed", self.name)
-                self._step_failed(seqs, e)
+            tokens: list[int] = []
+            error: Exception | None = None
+            if seqs:
+                try:
+                    tokens = await self.run(batch)
+                except Exception as e:  # a failing step fails its requests, not the engine
+                    error = e
+            with self._lock:
+                step = self._postprocess(batch, seqs, tokens, error)
+            self._handed_over(step)
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        items: list[tuple[Sequence, EngineOutput]] = []
-        cumulative, sched = self._cumulative, self.sched
+    def _thread_main(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping:
+                    batch = self.sched.schedule()
+                    if batch:
+                        break
+                    self._lock.wait(IDLE_WAIT_S)
+                else:
+                    return
+            seqs = batch.all()
+            tokens: list[int] = []
+            error: Exception | None = None
+            if seqs:
+                try:
+                    tokens = self.compute(batch)
+                except Exception as e:
+                    error = e
+            with self._lock:
+                step = self._postprocess(batch, seqs, tokens, error)
+            try:
+                loop.call_soon_threadsafe(self._handed_over, step)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                return
+
+    def _postprocess(self, batch: Batch, seqs: list[Sequence], tokens: list[int],
+                     error: Exception | None) -> _Step:
+        """The step's bookkeeping (under the lock): tokens appended, finished requests' pages
+        freed, outputs made."""
+        step = _Step(batch.reserved)
+        if error is not None:
+            log.error("%s engine step failed: %r", self.name, error)
+            err = EngineError(f"{self.name} engine step failed: {error!r}")
+            for seq in seqs:
+                seq.in_flight = False
+                if self._last(seq):
+                    step.items.append((seq, self._output(seq, [], "error", err)))
+                if seq.handoff is not None:
+                    step.failed.append(seq)  # the handoff tells its peer, then frees the pages
+                else:
+                    self.sched.finish(seq, "error")
+            self._notify()
+            return step
+        items, cumulative, sched = step.items, self._cumulative, self.sched
         for seq, token in zip(seqs, tokens, strict=True):
             seq.in_flight = False
             if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
@@ -259,8 +356,7 @@ class Stepper(Engine):
             seq.num_cached = seq.num_tokens
             if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
                 sched.to_sending(seq)
-                assert self.handoff is not None
-                self.handoff.computed(seq, token)
+                step.computed.append((seq, token))
                 continue
             finish = seq.finish_after(token)
             if finish is not None:
@@ -268,18 +364,24 @@ class Stepper(Engine):
                 seq.done = True
             items.append((seq, EngineOutput(seq.rid, seq.output_ids if cumulative else [token],
                                             finish, len(seq.prompt_ids), len(seq.output_ids))))
-        self._wake.set()
-        self._deliver(items)
+        self._notify()
+        return step
 
-    def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:
-        error = EngineError(f"{self.name} engine step failed: {e!r}")
-        for seq in seqs:
-            seq.in_flight = False
-            self.failed(seq, error)
-            if seq.handoff is not None and self.handoff is not None:
-                self.handoff.cancel(seq)  # tells the decode side; frees the pages
-            else:
-                self.free(seq, "error")
+    def _handed_over(self, step: _Step) -> None:
+        """On the loop: the step's handoff events, then its outputs (none for a request
+        cancelled since the step made them)."""
+        handoff = self.handoff
+        if handoff is not None:
+            for seq in step.reserved:  # decode: pages reserved, its KV can be fetched now
+                handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
+            for seq, token in step.computed:
+                handoff.computed(seq, token)
+            for seq in step.failed:
+                handoff.cancel(seq)
+        items = step.items
+        if self.step_thread:
+            items = [item for item in items if not item[0].cancelled]
+        self._deliver(items)
 
     # --- delivery ---------------------------------------------------------------------------------
     def _last(self, seq: Sequence) -> bool:

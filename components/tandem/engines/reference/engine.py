@@ -1,13 +1,14 @@
 """ReferenceEngine: the torch Llama behind the engine contract, with continuous batching.
 
-The step loop is tandem.engines.stepper's (schedule -> run -> postprocess, on the event loop);
-this module adds the model: loading a checkpoint, the page-major KV cache, and `run`, which
-computes a step on the engine's one compute thread and samples one token per sequence. The loop
-awaits the step's result (the thread hands it back with one wake-up of the loop per step) and
-delivers every output of the step with one `sink.on_step` call; the loop never waits on compute.
+The step is tandem.engines.stepper's, on its thread driver: the engine's step thread schedules,
+computes (torch, never on the event loop), postprocesses, and hands each step's outputs to the
+loop with one `call_soon_threadsafe`, which delivers them with one `sink.on_step`. This module
+adds the model: loading a checkpoint, the page-major KV cache, and `model_step`, which runs the
+model for a batch and samples one token per sequence.
 
-`compute_hook` is the public seam for tests: when set, the compute thread calls
-`compute_hook(batch, compute)` instead of `compute(batch)` (to hold a step, record it, or fail it).
+`compute_hook` is the public seam for tests: when set, the step thread calls
+`compute_hook(batch, model_step)` instead of `model_step(batch)` (to hold a step, record it, or
+fail it).
 
 PD: with a handoff (tandem.engines.pd) its KV memory is this cache. Random draws are keyed by
 (seed, position) (sampler.py), so a prefill engine's first token and a decode engine's later ones
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -82,13 +82,12 @@ class ReferenceEngine(Stepper):
         self.compute_hook = compute_hook
         self._model: Llama | None = None
         self.kv: torch.Tensor | None = None
-        self._thread: ThreadPoolExecutor | None = None
 
     # --- the Stepper hooks ------------------------------------------------------------------------
+    step_thread = True
+
     async def load_memory(self) -> torch.Tensor:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-reference-step")
-        loop = asyncio.get_running_loop()
-        self._model, kv = await loop.run_in_executor(self._thread, self._load_model)
+        self._model, kv = await asyncio.to_thread(self._load_model)
         self.kv = kv
         return kv
 
@@ -96,11 +95,6 @@ class ReferenceEngine(Stepper):
         cfg, state = load_checkpoint(self.model_dir)
         model = Llama.from_state_dict(cfg, state, self.device, self.dtype)
         return model, model.new_kv_cache(self.num_pages, self.page_size)
-
-    async def stop_compute(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:  # a step still computing finishes before its pages are freed
-            await asyncio.get_running_loop().run_in_executor(None, thread.shutdown, True)
 
     def check_prompt(self, prompt: list[int]) -> None:
         if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
@@ -111,17 +105,13 @@ class ReferenceEngine(Stepper):
         seq.seed = base_seed(req.sampling)
         return seq
 
-    async def run(self, batch: Batch) -> list[int]:
-        assert self._thread is not None
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._step, batch)
-
-    def _step(self, batch: Batch) -> list[int]:
+    def compute(self, batch: Batch) -> list[int]:
         hook = self.compute_hook
-        return self.compute(batch) if hook is None else hook(batch, self.compute)
+        return self.model_step(batch) if hook is None else hook(batch, self.model_step)
 
     # --- compute (on the compute thread) ----------------------------------------------------------
     @torch.inference_mode()
-    def compute(self, batch: Batch) -> list[int]:
+    def model_step(self, batch: Batch) -> list[int]:
         """Run the model for the batch and sample one token per sequence (prefill rows first)."""
         model, kv, dev = self._model, self.kv, self.device
         assert model is not None and kv is not None
