@@ -1,0 +1,342 @@
+"""`--engine sglang`: SGLang's `Engine` behind tandem's engine contract, the only module that imports
+sglang (lazily, in `start`; tandem runs without it everywhere else).
+
+What it owns:
+- Building SGLang's `ServerArgs` with SGLang's own argparse: tandem's settings become SGLang flags
+  (model, page size, role -> `--disaggregation-mode`, output mode -> `--incremental-streaming-output`,
+  `--skip-tokenizer-init` since tandem tokenizes, max batch, pool size, bootstrap host/port, log
+  level, nixl transfer), then `engine_args` (every SGLang flag tandem did not parse) follow and
+  override the soft defaults (log level, transfer backend, bootstrap bind host). A flag that would
+  change what tandem owns, an unknown flag or a bad choice is a `SGLangSetupError` naming it.
+- Requests: each gets a fresh 32-hex rid for SGLang (SGLang aborts by rid PREFIX, so rids of one
+  length never abort each other); tandem's sampling maps to SGLang's keys or is refused naming the
+  field; a PD request's Bootstrap(host, port, room) becomes bootstrap_host/port/room. SGLang's
+  prefill side ends with one "length" item once the KV is sent; its decode stream already starts
+  with the first token. n>1 never reaches SGLang (the frontend fans choices out as requests).
+- Outputs: cumulative mode passes SGLang's live id list through uncopied with `completion_tokens`
+  as read at receipt: SGLang only appends to that list after the yield, so slicing
+  `[sent:completion_tokens]` (the worker's DeltaMaker) is exact whatever happens later; incremental
+  mode trims SGLang's abort echo (the last id sent, repeated) by `completion_tokens`. Empty
+  non-final items are dropped; usage fields are read with defaults (the last seen value).
+  An abort finish that tandem did not ask for is the request's failure: "error", with an
+  `EngineRequestError` for SGLang's 400s and an `EngineError` otherwise.
+- SGLang's process-wide effects: it registers SIGQUIT (a child died) to SIGKILL this process, and
+  SIGTERM on the event loop to drain itself. Here SIGQUIT fails every live request, kills SGLang's
+  children and stops the worker through `on_fatal`; SIGTERM is re-raised as SIGINT, which tandem's
+  lifecycle treats as its own drain signal. `shutdown` kills only the processes SGLang started
+  (SGLang's own shutdown SIGKILLs every child of the process) and unregisters SGLang's atexit hook.
+
+The worker process: SGLang starts its schedulers with multiprocessing `spawn`, so the worker's entry
+point must be import-safe (the `tandem` console script is; a script running a worker needs an
+`if __name__ == "__main__":` guard). Importing SGLang's engine module sets uvloop's event-loop
+policy. `start` must run on the main thread (signal handlers) and blocks the loop while SGLang loads
+the model; at most one SGLang engine may live in a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import logging
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import psutil
+
+from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
+from tandem.engines.base import ModelSpec
+from tandem.engines.iterator import IteratorEngine
+from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
+from tandem.runtime.wire import OutputMode, Role
+
+if TYPE_CHECKING:
+    from tandem.config import WorkerConfig
+
+log = logging.getLogger("tandem.engines.sglang")
+
+INSTALL_HINT = "pip install 'tandem[sglang]' (on a CUDA machine: SGLang runs on NVIDIA GPUs)"
+DISAGGREGATION_MODES: dict[Role, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
+CHILD_EXIT_TIMEOUT_S = 10.0  # SIGTERM to SGLang's processes, then SIGKILL after this long
+
+
+class SGLangSetupError(EngineError):
+    """SGLang cannot be set up as asked (not installed, no GPU, a bad or conflicting flag)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangOptions:
+    """What the adapter takes from tandem's worker config."""
+
+    model: str
+    role: Role = "agg"
+    output_mode: OutputMode = "cumulative"
+    page_size: int = 16
+    max_batch: int = 0  # -> --max-running-requests (0 = SGLang's own)
+    num_pages: int = 0  # -> --max-total-tokens = num_pages * page_size (0 = SGLang's own)
+    host: str = "127.0.0.1"  # the prefill's bootstrap server binds it (SGLang's --host)
+    advertise_host: str = ""  # where decode engines reach the bootstrap server (default: host)
+    bootstrap_port: int = 0  # prefill: SGLang's --disaggregation-bootstrap-port (0 = SGLang's)
+    log_level: str = "INFO"
+    engine_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig) -> SGLangOptions:
+        return cls(model=cfg.model, role=cfg.role, output_mode=cfg.output_mode,
+                   page_size=cfg.page_size, max_batch=cfg.max_batch, num_pages=cfg.num_pages,
+                   host=cfg.host, advertise_host=cfg.advertise_host,
+                   bootstrap_port=cfg.bootstrap_port, log_level=cfg.log_level,
+                   engine_args=tuple(cfg.engine_args))
+
+
+# --- ServerArgs -----------------------------------------------------------------------------------
+
+# SGLang dest -> (SGLang's flag, the tandem flag that sets it). When tandem's argv carries the flag
+# (the output mode: always), engine_args may not change the value.
+OWNED = {"model_path": ("--model-path", "--model"), "page_size": ("--page-size", "--page-size"),
+         "disaggregation_mode": ("--disaggregation-mode", "--role"),
+         "skip_tokenizer_init": ("--skip-tokenizer-init", "(none: tandem tokenizes)"),
+         "incremental_streaming_output": ("--incremental-streaming-output", "--output-mode"),
+         "max_running_requests": ("--max-running-requests", "--max-batch"),
+         "max_total_tokens": ("--max-total-tokens", "--num-pages"),
+         "disaggregation_bootstrap_port": ("--disaggregation-bootstrap-port", "--bootstrap-port")}
+
+
+def server_argv(opts: SGLangOptions) -> list[str]:
+    """tandem's settings as SGLang flags (engine_args come after them)."""
+    argv = ["--model-path", opts.model, "--page-size", str(opts.page_size),
+            "--disaggregation-mode", DISAGGREGATION_MODES[opts.role], "--skip-tokenizer-init",
+            "--host", opts.host, "--log-level", opts.log_level.lower()]
+    if opts.output_mode == "incremental":
+        argv.append("--incremental-streaming-output")
+    if opts.role != "agg":
+        argv += ["--disaggregation-transfer-backend", "nixl"]
+    if opts.max_batch:
+        argv += ["--max-running-requests", str(opts.max_batch)]
+    if opts.num_pages:
+        argv += ["--max-total-tokens", str(opts.num_pages * opts.page_size)]
+    if opts.bootstrap_port:
+        argv += ["--disaggregation-bootstrap-port", str(opts.bootstrap_port)]
+    return argv
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SGLangSetupError(f"SGLang flags: {message}")
+
+
+def sglang_parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _Parser(prog="tandem worker --engine sglang", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def build_server_args(opts: SGLangOptions,
+                      sigquit_handler: Callable[[int, FrameType | None], Any] | None = None) -> Any:
+    """SGLang's ServerArgs, through SGLang's own argparse (choices checked, no flag re-declared)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = sglang_parser()
+    argv = server_argv(opts)
+    base = parser.parse_args(["--model-path", opts.model])
+    theirs = parser.parse_args(["--model-path", opts.model, *opts.engine_args])
+    owned = [d for d, (flag, _) in OWNED.items()
+             if flag in argv or d == "incremental_streaming_output"]
+    for dest in owned:
+        if getattr(theirs, dest) != getattr(base, dest):
+            raise SGLangSetupError(f"SGLang flags: {OWNED[dest][0]} is set by tandem "
+                                   f"({OWNED[dest][1]}); remove it from the SGLang flags")
+    mine = parser.parse_args(argv)
+    ns = parser.parse_args([*argv, *opts.engine_args])
+    for dest in owned:
+        if getattr(ns, dest) != getattr(mine, dest):
+            raise SGLangSetupError(f"SGLang flags: they change {dest}, which tandem sets")
+    if sigquit_handler is not None:
+        ns.custom_sigquit_handler = sigquit_handler
+    return ServerArgs.from_cli_args(ns)
+
+
+def _default_factory(server_args: Any) -> Any:
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except ImportError:
+        gpus = 0
+    if gpus == 0:
+        raise SGLangSetupError("--engine sglang needs a CUDA GPU and this machine has none")
+    import sglang
+
+    return sglang.Engine(server_args=server_args)
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class SGLangEngine(IteratorEngine):
+    name = "sglang"
+
+    def __init__(self, opts: SGLangOptions, *,
+                 engine_factory: Callable[[Any], Any] = _default_factory,
+                 server_args_builder: Callable[..., Any] = build_server_args,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.opts = opts
+        self.output_mode = opts.output_mode
+        self.page_size = opts.page_size
+        self.num_pages = 0  # SGLang sizes its pool in its scheduler process; not known here
+        self.spec = ModelSpec(name=os.path.basename(os.path.normpath(opts.model)), max_context=0)
+        self._factory = engine_factory
+        self._build_args = server_args_builder
+        self._on_fatal = on_fatal
+        self._engine: Any = None
+        self._children: list[psutil.Process] = []  # the processes SGLang started
+        self._deterministic = False
+        self._sglang_tasks: list[asyncio.Task[Any]] = []
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig) -> SGLangEngine:
+        from tandem.runtime import lifecycle
+
+        return cls(SGLangOptions.from_config(cfg),
+                   on_fatal=lambda why: lifecycle.crash(why))
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_sigquit(signum: int, frame: FrameType | None) -> None:  # launch phase
+            loop.call_soon_threadsafe(self._scheduler_died)
+
+        try:
+            server_args = self._build_args(self.opts, on_sigquit)
+        except ImportError as e:
+            raise SGLangSetupError(f"--engine sglang: sglang is not installed ({e}); "
+                                   f"{INSTALL_HINT}") from e
+        self._deterministic = bool(getattr(server_args, "enable_deterministic_inference", False))
+        me = psutil.Process()
+        before = {p.pid for p in me.children()}
+        try:
+            self._engine = self._factory(server_args)  # blocks while SGLang loads the model
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"SGLang failed to start: {e!r}") from e
+        finally:
+            self._children = [p for p in me.children() if p.pid not in before]
+        atexit.unregister(self._engine.shutdown)  # it would SIGKILL every child of this process
+        tm = self._engine.tokenizer_manager
+        if not hasattr(tm, "signal_handler_class"):
+            raise SGLangSetupError("this SGLang release has no TokenizerManager."
+                                   "signal_handler_class; tandem cannot contain its signals")
+        tm.signal_handler_class = self._signal_handlers
+        known = set(getattr(tm, "asyncio_tasks", ()))
+        tm.auto_create_handle_loop()  # now, on this loop, with tandem's signal handlers
+        self._sglang_tasks = [t for t in getattr(tm, "asyncio_tasks", ()) if t not in known]
+        config = getattr(tm, "model_config", None)
+        eos = getattr(config, "hf_eos_token_id", None) or ()
+        self.spec = ModelSpec(name=self.spec.name,
+                              max_context=int(getattr(tm, "context_len", 0) or 0),
+                              eos_token_ids=tuple(sorted(eos)),
+                              vocab_size=int(getattr(config, "vocab_size", 0) or 0))
+        if self.opts.role == "prefill":
+            port = getattr(server_args, "disaggregation_bootstrap_port", self.opts.bootstrap_port)
+            self.bootstrap_addr = f"{self.opts.advertise_host or self.opts.host}:{port}"
+        self._mark_started()
+
+    def _signal_handlers(self, tokenizer_manager: Any) -> Any:
+        """What SGLang's TokenizerManager registers on the event loop (running phase)."""
+        engine = self
+
+        class Handlers:
+            def sigterm_handler(self, signum: int | None = None, frame: Any = None) -> None:
+                os.kill(os.getpid(), signal.SIGINT)  # tandem's lifecycle drains on SIGINT
+
+            def running_phase_sigquit_handler(self, signum: int | None = None,
+                                              frame: Any = None) -> None:
+                engine._scheduler_died()
+
+        return Handlers()
+
+    def _scheduler_died(self) -> None:
+        why = "SGLang's scheduler process died"
+        log.error("%s: failing %d requests and stopping", why, len(self._live))
+        self.fail_all(EngineError(why))
+        self._kill_children(timeout=0.0)
+        if self._on_fatal is not None:
+            self._on_fatal(why)
+
+    def _check(self, req: EngineRequest) -> None:
+        if self.opts.role != "agg" and req.bootstrap is None:
+            raise EngineRequestError(f"a {self.opts.role} request needs a bootstrap (host, port, "
+                                     "room)")
+        if self.opts.role == "agg" and req.bootstrap is not None:
+            raise EngineRequestError("an aggregated sglang worker takes no bootstrap")
+        if not req.prompt_ids:
+            raise EngineRequestError("the prompt is empty")
+        sampling_dict(req.sampling, deterministic=self._deterministic)
+
+    async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        srid = uuid.uuid4().hex  # fixed length: SGLang's abort matches rids by prefix
+        engine = self._engine
+        stream = SGLangStream(req.rid, self.output_mode == "incremental", len(req.prompt_ids))
+        finished = False
+        try:
+            gen = await engine.async_generate(
+                **generate_kwargs(req, srid, deterministic=self._deterministic))
+            async for item in gen:
+                out = stream.convert(item)
+                if out is None:
+                    continue
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                try:
+                    engine.tokenizer_manager.abort_request(rid=srid)
+                except Exception as e:  # the engine may be gone (crash, shutdown)
+                    log.debug("abort of %s failed: %r", srid, e)
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        for task in self._sglang_tasks:
+            task.cancel()
+        if self._sglang_tasks:
+            await asyncio.gather(*self._sglang_tasks, return_exceptions=True)
+        self._sglang_tasks = []
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()  # SGLang's children exit now on purpose
+        if self._children:
+            await asyncio.to_thread(self._kill_children, CHILD_EXIT_TIMEOUT_S)
+
+    def _kill_children(self, timeout: float) -> None:
+        """SIGTERM the processes SGLang started (and theirs), SIGKILL what is left after
+        `timeout` seconds. Nothing else of this process is touched."""
+        procs: list[psutil.Process] = []
+        for p in self._children:
+            try:
+                procs += [*p.children(recursive=True), p]
+            except psutil.NoSuchProcess:
+                pass
+        self._children = []
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass

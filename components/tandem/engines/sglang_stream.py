@@ -1,0 +1,97 @@
+"""SGLang's requests and streamed items as tandem sees them, with no sglang import (the engine
+module, `tandem.engines.sglang`, is the one that imports sglang): the sampling dict and call keywords
+built from a tandem request, and `SGLangStream`, which turns one request's items into EngineOutputs.
+
+Item edges handled here: cumulative mode hands out SGLang's live id list (appended to after the
+yield), passed through uncopied with the count read at receipt, so slicing by count is exact;
+incremental mode's abort echo repeats the last id already sent and is trimmed by
+`completion_tokens`; empty non-final items are dropped; usage fields may be missing (the last value
+seen is kept); an abort finish becomes "error" (EngineRequestError for SGLang's 400s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
+from tandem.runtime.wire import SamplingParams
+
+SGLANG_TOP_K_DISABLED = -1  # SGLang's "whole vocabulary"; tandem's is 0
+
+
+def sampling_dict(sp: SamplingParams, *, deterministic: bool) -> dict[str, Any]:
+    """tandem's SamplingParams as SGLang's sampling_params, or EngineRequestError naming a field
+    SGLang cannot honour here."""
+    if sp.min_tokens > 0:
+        raise EngineRequestError("min_tokens is not supported by the sglang engine (SGLang needs "
+                                 "its own tokenizer for it; tandem tokenizes)", param="min_tokens")
+    if sp.seed is not None and not deterministic:
+        raise EngineRequestError("seed needs the sglang engine started with "
+                                 "--enable-deterministic-inference (SGLang ignores it otherwise)",
+                                 param="seed")
+    out: dict[str, Any] = {
+        "max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+        "top_k": sp.top_k if sp.top_k > 0 else SGLANG_TOP_K_DISABLED, "ignore_eos": sp.ignore_eos,
+    }
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.seed is not None:
+        out["sampling_seed"] = sp.seed
+    return out
+
+
+def generate_kwargs(req: EngineRequest, srid: str, *, deterministic: bool) -> dict[str, Any]:
+    """The keywords of one `Engine.async_generate` call."""
+    kw: dict[str, Any] = {"input_ids": list(req.prompt_ids),
+                          "sampling_params": sampling_dict(req.sampling, deterministic=deterministic),
+                          "stream": True, "rid": srid}
+    if req.bootstrap is not None:
+        kw.update(bootstrap_host=req.bootstrap.host, bootstrap_port=req.bootstrap.port,
+                  bootstrap_room=req.bootstrap.room)
+    return kw
+
+
+def _finish(reason: Any) -> tuple[str | None, EngineError | None]:
+    """SGLang's finish_reason (None, or {type: stop|length|abort, ...}) as tandem's."""
+    if reason is None:
+        return None, None
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind in ("stop", "length"):
+        return kind, None
+    message = reason.get("message", "") if isinstance(reason, dict) else ""
+    status = reason.get("status_code") if isinstance(reason, dict) else None
+    text = f"SGLang ended the request ({kind}): {message or 'no reason given'}"
+    return "error", EngineRequestError(text) if status == 400 else EngineError(text)
+
+
+class SGLangStream:
+    """Turns one request's SGLang items into EngineOutputs (the state between items)."""
+
+    __slots__ = ("rid", "incremental", "sent", "prompt_tokens", "cached_tokens")
+
+    def __init__(self, rid: str, incremental: bool, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.incremental = incremental
+        self.sent = 0  # completion tokens delivered
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+
+    def convert(self, item: dict[str, Any]) -> EngineOutput | None:
+        ids: list[int] = item.get("output_ids") or []
+        meta: dict[str, Any] = item.get("meta_info") or {}
+        finish, error = _finish(meta.get("finish_reason"))
+        self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
+        self.cached_tokens = meta.get("cached_tokens", self.cached_tokens)
+        count = meta.get("completion_tokens")
+        if self.incremental:
+            if count is not None and self.sent + len(ids) > count:  # the abort echo
+                keep = max(0, count - self.sent)
+                ids = ids[len(ids) - keep:] if keep else []
+            total = self.sent + len(ids)
+        else:
+            total = len(ids) if count is None else min(count, len(ids))
+        if finish is None and total == self.sent:
+            return None  # an empty non-final item
+        self.sent = total
+        return EngineOutput(self.rid, ids, finish, self.prompt_tokens,  # type: ignore[arg-type]
+                            total, self.cached_tokens, error)
