@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kv.pages import PagePool
+from tandem.runtime.errors import EngineRequestError
 from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams
 
 
@@ -34,6 +35,20 @@ class SeqStatus(enum.Enum):
     FETCHING = "fetching"  # decode: pages reserved, waiting for the prompt's K/V to arrive
     SENDING = "sending"  # prefill: computed, pages held until the K/V has been sent
     FINISHED = "finished"
+
+
+def check_sampling(p: SamplingParams) -> None:
+    """Refuse sampling parameters no engine can honour (EngineRequestError)."""
+    if p.max_tokens < 1:
+        raise EngineRequestError("max_tokens must be at least 1")
+    if p.temperature < 0:
+        raise EngineRequestError("temperature must be >= 0")
+    if not 0.0 < p.top_p <= 1.0:
+        raise EngineRequestError("top_p must be in (0, 1]")
+    if p.top_k < 0:
+        raise EngineRequestError("top_k must be >= 0 (0 disables it)")
+    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        raise EngineRequestError("min_tokens must be in [0, max_tokens]")
 
 
 @dataclass(eq=False, slots=True)

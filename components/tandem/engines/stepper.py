@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engines.base import (
@@ -36,9 +37,9 @@ from tandem.engines.base import (
     OutputSink,
 )
 from tandem.engines.pd import Handoff, HandoffSpec
-from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
+from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus, check_sampling
 from tandem.kv.pages import PagePool
-from tandem.runtime.wire import FinishReason, Load, OutputMode, SamplingParams
+from tandem.runtime.wire import FinishReason, Load, OutputMode
 
 log = logging.getLogger("tandem.engine")
 
@@ -56,30 +57,15 @@ class _Handle:
         self.engine.cancel(self.seq)
 
 
-def check_sampling(p: SamplingParams) -> None:
-    if p.max_tokens < 1:
-        raise EngineRequestError("max_tokens must be at least 1")
-    if p.temperature < 0:
-        raise EngineRequestError("temperature must be >= 0")
-    if not 0.0 < p.top_p <= 1.0:
-        raise EngineRequestError("top_p must be in (0, 1]")
-    if p.top_k < 0:
-        raise EngineRequestError("top_k must be >= 0 (0 disables it)")
-    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
-        raise EngineRequestError("min_tokens must be in [0, max_tokens]")
-
-
+@dataclass(slots=True)
 class _Step:
     """What a step hands to the loop: outputs to deliver, prefills whose first token was sampled,
     decode requests whose pages were reserved, PD requests whose step failed."""
 
-    __slots__ = ("items", "computed", "reserved", "failed")
-
-    def __init__(self, reserved: list[Sequence]) -> None:
-        self.items: Items = []
-        self.computed: list[tuple[Sequence, int]] = []
-        self.reserved = reserved
-        self.failed: list[Sequence] = []
+    reserved: list[Sequence]
+    items: Items = field(default_factory=list)
+    computed: list[tuple[Sequence, int]] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
 
 
 class Stepper(Engine):
@@ -400,15 +386,13 @@ class Stepper(Engine):
         """Hand outputs to their sequences' sinks: one on_step call per sink."""
         if not items:
             return
-        first_sink = items[0][0].sink
-        if all(seq.sink is first_sink for seq, _ in items):  # the usual case: one worker
-            groups = [(first_sink, [out for _, out in items])]
-        else:
-            by_sink: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
-            for seq, out in items:
-                by_sink.setdefault(id(seq.sink), (seq.sink, []))[1].append(out)
-            groups = list(by_sink.values())
-        for sink, outs in groups:
+        groups: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
+        for seq, out in items:  # (usually one group: the worker)
+            group = groups.get(id(seq.sink))
+            if group is None:
+                group = groups[id(seq.sink)] = (seq.sink, [])
+            group[1].append(out)
+        for sink, outs in groups.values():
             try:
                 sink.on_step(outs)
             except Exception:  # a consumer's bug must not stop the engine

@@ -345,7 +345,7 @@ class KvAgent:
         """Wait for running writes (bounded by their deadlines), release everything. Safe twice."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = True  # (no new write starts: _check_open)
         self._stop.set()
         if self._progress is not None:
             self._progress.join()
@@ -363,7 +363,6 @@ class KvAgent:
     def _check_open(self) -> None:
         if self._closed:
             raise KvTransferError("kv agent is closed")
-
     def _begin(self, peer: str, local: np.ndarray, remote: np.ndarray, num_chunks: int) -> _Peer:
         self._check_open()
         if len(local) != len(remote) or len(local) == 0:

@@ -1,4 +1,5 @@
-"""The decode handler's one job: turn engine outputs into deltas (DESIGN §3, "Decode handler").
+"""The decode handler's one job: turn engine outputs into deltas (ARCHITECTURE.md, "Decode
+handler").
 
 Cumulative outputs (all ids so far; SGLang hands out a live list) are sliced by the count already
 sent, which copies at once and bounds the slice by `completion_tokens` so a list that grew after
