@@ -39,15 +39,19 @@ def sampling(i: int, seeded: bool) -> SamplingParams:
 async def run_all(addresses: list[str], concurrency: int, seeded: bool) -> list[list[int]]:
     pool = WorkerPool(addresses)
     await pool.start(wait_s=60)
-    assert pool.ready(), [(c.address, c.state) for c in pool.clients]
+    assert pool.ready(), [c.address for c in pool.clients]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, ids: list[int]) -> list[int]:
         async with sem:
             got: list[int] = []
-            async with pool.open(ids, sampling(i, seeded)) as s:
-                async for d in s:
+            async with pool.open(ids, sampling(i, seeded)) as handle:
+                while True:
+                    d = await handle.collector.get()  # raises if the request failed
                     got += d.token_ids
+                    if d.finish_reason is not None:
+                        assert d.finish_reason != "error", d.error
+                        break
             return got
 
     try:
