@@ -98,4 +98,29 @@ async def reference(model_dir: Path, role: str = "agg", *, link: PdLink | None =
                            output_mode=output_mode, handoff=handoff)  # type: ignore[arg-type]
 
 
-ENGINES: dict[str, Factory] = {"mock": mock, "reference": reference}
+_SGLANG_WORLDS: dict[int, tuple[PdLink, Any]] = {}  # one fake SGLang world per PD link
+
+
+async def sglang_fake(model_dir: Path, role: str = "agg", *, link: PdLink | None = None,
+                      output_mode: str = "cumulative", num_pages: int = 64,
+                      page_size: int = 4) -> Engine:
+    """The SGLang adapter over the fake sglang.Engine (PD through the fake's bootstrap rooms)."""
+    from tandem.engines.sglang import SGLangEngine, SGLangOptions
+    from tests.sglang.fake_sglang import World, fake_server_args
+
+    world = World() if link is None else _SGLANG_WORLDS.setdefault(id(link), (link, World()))[1]
+    factory: Any = world.factory
+    if role == "broken":
+        role = "agg"
+
+        def factory(server_args: Any) -> Any:
+            raise EngineError("this engine was built not to start")
+
+    opts = SGLangOptions(str(model_dir), role=role, output_mode=output_mode,  # type: ignore[arg-type]
+                         page_size=page_size, num_pages=num_pages, host=HOST,
+                         bootstrap_port=link.port if link is not None and role == "prefill" else 0,
+                         engine_args=("--enable-deterministic-inference",))  # seeds are used
+    return SGLangEngine(opts, engine_factory=factory, server_args_builder=fake_server_args)
+
+
+ENGINES: dict[str, Factory] = {"mock": mock, "reference": reference, "sglang-fake": sglang_fake}

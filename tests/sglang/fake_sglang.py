@@ -28,7 +28,7 @@ SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
                  "n", "json_schema", "regex", "ebnf", "ignore_eos", "skip_special_tokens",
                  "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params"}
-VOCAB = 1000
+VOCAB = 4096
 EOS = 2
 
 
@@ -75,6 +75,7 @@ def fake_server_args(opts: Any, sigquit_handler: Any = None) -> SimpleNamespace:
         disaggregation_mode={"agg": "null"}.get(opts.role, opts.role),
         disaggregation_bootstrap_port=opts.bootstrap_port or 8998,
         enable_deterministic_inference="--enable-deterministic-inference" in opts.engine_args,
+        page_size=opts.page_size, max_total_tokens=opts.num_pages * opts.page_size or None,
         custom_sigquit_handler=sigquit_handler)
 
 
@@ -90,6 +91,8 @@ class _Req:
         self.wake = asyncio.Event()
         self.finished = False
         self.empty_sent = False
+        self.admitted = False
+        self.pages = 0  # what admission reserved: (prompt + max_new_tokens) in pages
 
 
 class FakeTokenizerManager:
@@ -147,6 +150,8 @@ class FakeEngine:
             raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
         if not prompt:
             raise ValueError("The input_ids is empty")
+        if max(prompt) >= VOCAB:
+            raise ValueError(f"token id {max(prompt)} is out of the vocabulary ({VOCAB})")
         if len(prompt) + int(sp.get("max_new_tokens", 128)) > self.tokenizer_manager.context_len:
             raise ValueError("the request is longer than the model's context length")
         if rid in self.reqs:
@@ -211,11 +216,25 @@ class FakeEngine:
             await asyncio.sleep(self.world.step_s)
             if self.tokenizer_manager.crashed:
                 break
-            running = [r for r in self.reqs.values() if not r.finished]
+            self._admit()
+            running = [r for r in self.reqs.values() if not r.finished and r.admitted]
             if not running:
                 self.work.clear()
             for req in running:
                 await self._step(req)
+
+    def _admit(self) -> None:
+        """Requests start in order while their pages fit the pool (--max-total-tokens)."""
+        cap = self.server_args.max_total_tokens
+        size = self.server_args.page_size
+        used = sum(r.pages for r in self.reqs.values() if r.admitted and not r.finished)
+        for r in self.reqs.values():
+            if r.admitted or r.finished:
+                continue
+            need = -(-(len(r.prompt) + int(r.sp.get("max_new_tokens", 128))) // size)
+            if cap is not None and used + need > cap // size:
+                return
+            r.admitted, r.pages, used = True, need, used + need
 
     async def _step(self, req: _Req) -> None:
         _, port, room = req.bootstrap

@@ -123,12 +123,13 @@ async def test_incremental_abort_echo_yields_no_duplicate() -> None:
 async def test_validation_error_on_first_anext_is_a_refusal() -> None:
     world = World()
     engine = await make(world)
-    run = await finished(Recorder(engine).submit(engine, "long", [1] * 4000,
-                                                 SamplingParams(max_tokens=500)))
+    run = await finished(Recorder(engine).submit(engine, "oov", [5, 5000], SamplingParams()))
     assert run.finish == "error" and isinstance(run.error, EngineRequestError)
-    assert "context length" in str(run.error) and run.ids == []
-    with pytest.raises(EngineRequestError):
-        engine.submit(EngineRequest("empty", [], SamplingParams()), Recorder(engine))
+    assert "vocabulary" in str(run.error) and run.ids == []
+    for prompt, sp in (([], SamplingParams()), ([1] * 4096, SamplingParams()),
+                       ([1] * 4000, SamplingParams(max_tokens=500))):  # SGLang's own limits
+        with pytest.raises(EngineRequestError):  # checked at submit, before anything is held
+            engine.submit(EngineRequest("bad", prompt, sp), Recorder(engine))
     await idle(engine)
     await engine.shutdown()
 
@@ -157,21 +158,21 @@ async def test_seed_is_passed_when_deterministic_inference_is_on() -> None:
 
 async def test_fixed_length_rids_make_prefix_aborts_safe() -> None:
     world = World(step_s=0.001)
-    fake_engine = await make(world)
+    engine = await make(world)
     fake = world.engines[0]
-    rec = Recorder(fake_engine)
-    runs = [rec.submit(fake_engine, f"r{i}", PROMPT, SamplingParams(max_tokens=30))
-            for i in range(12)]
-    while len(fake.reqs) < 12:
+    rec = Recorder(engine)
+    rids = ["r1", "r10", "r100", "r1000", "r2", "r20"]  # tandem rids that prefix each other
+    runs = [rec.submit(engine, rid, PROMPT, SamplingParams(max_tokens=30)) for rid in rids]
+    while len(fake.reqs) < len(rids):
         await asyncio.sleep(0.001)
     srids = list(fake.reqs)
-    assert len({len(r) for r in srids}) == 1, "every rid passed to SGLang has one length"
+    assert all(len(r) == 32 and int(r, 16) >= 0 for r in srids), srids  # 32 hex: one length
     assert not any(a != b and b.startswith(a) for a in srids for b in srids)
-    runs[0].handle.cancel()  # type: ignore[union-attr]
+    runs[0].handle.cancel()  # type: ignore[union-attr]  # "r1": would abort r10, r100, r1000
     for run in runs[1:]:
         assert (await finished(run)).ids == expected(30)
-    assert world.aborts == [srids[0]]
-    await fake_engine.shutdown()
+    assert world.aborts == [srids[0]] and runs[0].finish is None
+    await engine.shutdown()
 
 
 async def test_the_fake_matches_abort_rids_by_prefix_like_sglang() -> None:

@@ -10,7 +10,7 @@ from tandem.engines.base import Engine
 from tandem.engines.pd import HandoffConfig
 from tandem.kv.movers import KvMover
 
-ENGINES = ("reference", "mock")
+ENGINES = ("reference", "mock", "sglang")
 
 
 def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
@@ -57,5 +57,8 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
                                output_mode=cfg.output_mode, handoff=handoff)
-    # (hook point: further engines, e.g. sglang, are chosen here)
+    if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
+        from tandem.engines.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg)
     raise ValueError(f"unknown engine {cfg.engine!r}; choose one of {', '.join(ENGINES)}")

@@ -19,6 +19,7 @@ per request exists:
 - `handle.cancel()`: no output of the request reaches the sink after the call (outputs gathered but
   not yet delivered are dropped); the subclass frees the request in `_stream`'s `finally` (the task
   is cancelled there).
+- `shutdown()` ends every live request with an "abort" output, delivered before it returns.
 - `fail_all(error)` ends every live request with an "error" output (e.g. the library's process
   died) and refuses new work.
 
@@ -36,7 +37,7 @@ from collections.abc import AsyncIterator
 from tandem.engines.base import (
     Engine, EngineError, EngineOutput, EngineRequest, EngineRequestError, OutputSink,
 )
-from tandem.runtime.wire import Load
+from tandem.runtime.wire import FinishReason, Load
 
 log = logging.getLogger("tandem.engines.iterator")
 
@@ -46,12 +47,16 @@ __all__ = ["IteratorEngine", "IteratorHandle"]
 class IteratorHandle:
     """One submitted request: its sink, its task, and what it delivered so far."""
 
-    __slots__ = ("rid", "sink", "task", "done", "completion_tokens", "last_ids", "_engine")
+    __slots__ = ("rid", "sink", "task", "done", "completion_tokens", "last_ids", "prompt_tokens",
+                 "pages", "_engine")
 
-    def __init__(self, engine: IteratorEngine, rid: str, sink: OutputSink) -> None:
+    def __init__(self, engine: IteratorEngine, rid: str, sink: OutputSink,
+                 prompt_tokens: int) -> None:
         self._engine = engine
         self.rid = rid
         self.sink = sink
+        self.prompt_tokens = prompt_tokens
+        self.pages = 0  # pages its tokens fill, once it has produced output (0: still waiting)
         self.task: asyncio.Task[None] | None = None
         self.done = False  # a last output was delivered (or dropped by cancel): nothing follows
         self.completion_tokens = 0
@@ -73,6 +78,8 @@ class IteratorEngine(Engine, abc.ABC):
         self._flush_scheduled = False
         self._closed_reason = ""  # non-empty: submit raises EngineError with it
         self._started = False
+        self._running = 0  # live requests that produced output (the rest wait)
+        self._pages_held = 0  # pages the running requests' tokens fill
 
     # --- what a subclass provides ----------------------------------------------------------------
 
@@ -104,7 +111,7 @@ class IteratorEngine(Engine, abc.ABC):
         if req.rid in self._live:
             raise EngineRequestError(f"request id {req.rid!r} is already in flight")
         self._check(req)
-        handle = IteratorHandle(self, req.rid, sink)
+        handle = IteratorHandle(self, req.rid, sink, len(req.prompt_ids))
         task = asyncio.get_running_loop().create_task(self._run(req, handle),
                                                       name=f"{self.name}:{req.rid}")
         handle.task = task
@@ -114,14 +121,23 @@ class IteratorEngine(Engine, abc.ABC):
         return handle
 
     def load(self) -> Load:
-        return Load(running=len(self._live))
+        """What the adapter knows: a live request is running once it produced output and waiting
+        before; a running request fills ceil((prompt + completion) / page_size) pages (the library
+        may share prefix pages: an upper bound); `num_pages` 0 = the pool's size is unknown."""
+        free = max(0, self.num_pages - self._pages_held) if self.num_pages else 0
+        return Load(running=self._running, waiting=len(self._live) - self._running,
+                    pages_free=free, pages_total=self.num_pages)
 
     async def shutdown(self) -> None:
-        """Cancel and await every request task (no output follows); refuse new work. Safe twice
-        and after a partial start."""
+        """End every live request with an "abort" output (delivered before this returns), cancel
+        and await every task; refuse new work. Safe twice and after a partial start."""
         self._closed_reason = self._closed_reason or "shut down"
         for handle in list(self._live.values()):
-            self._cancel(handle)
+            if not handle.done:
+                self._emit(handle, self._final(handle, "abort", None))
+            self._cancel_task(handle)
+        if self._pending:
+            self._flush()
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -131,7 +147,7 @@ class IteratorEngine(Engine, abc.ABC):
         self._closed_reason = self._closed_reason or str(error)
         for handle in list(self._live.values()):
             if not handle.done:
-                self._emit(handle, self._error_output(handle, error))
+                self._emit(handle, self._final(handle, "error", error))
             self._cancel_task(handle)
 
     # --- internals -------------------------------------------------------------------------------
@@ -149,7 +165,7 @@ class IteratorEngine(Engine, abc.ABC):
                     break
             else:
                 if not handle.done:
-                    self._emit(handle, self._error_output(handle, EngineError(
+                    self._emit(handle, self._final(handle, "error", EngineError(
                         f"{req.rid}: the {self.name} engine ended the stream without a finish")))
         except asyncio.CancelledError:
             raise
@@ -160,20 +176,33 @@ class IteratorEngine(Engine, abc.ABC):
                     log.warning("%s: %s engine failed the request: %r", req.rid, self.name, e)
                 error = refusal if refusal is not None else (
                     e if isinstance(e, EngineError) else EngineError(f"{self.name} engine: {e!r}"))
-                self._emit(handle, self._error_output(handle, error))
+                self._emit(handle, self._final(handle, "error", error))
         finally:
             if self._live.get(req.rid) is handle:
                 del self._live[req.rid]
+                self._set_pages(handle, None)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # a stream left early runs its cleanup now, not at GC
                 await aclose()
 
-    def _error_output(self, handle: IteratorHandle, error: EngineError) -> EngineOutput:
+    def _final(self, handle: IteratorHandle, finish: FinishReason,
+               error: EngineError | None) -> EngineOutput:
         ids = handle.last_ids if self.output_mode == "cumulative" else []
-        return EngineOutput(handle.rid, ids, "error", completion_tokens=handle.completion_tokens,
-                            error=error)
+        return EngineOutput(handle.rid, ids, finish, handle.prompt_tokens,
+                            handle.completion_tokens, error=error)
+
+    def _set_pages(self, handle: IteratorHandle, tokens: int | None) -> None:
+        """Account a request's tokens (None: it left)."""
+        if tokens is None:
+            pages = 0
+        else:
+            pages = max(1, -(-tokens // self.page_size)) if self.page_size else 1
+        self._running += (pages > 0) - (handle.pages > 0)
+        self._pages_held += pages - handle.pages
+        handle.pages = pages
 
     def _emit(self, handle: IteratorHandle, out: EngineOutput) -> None:
+        self._set_pages(handle, handle.prompt_tokens + out.completion_tokens)
         handle.completion_tokens = out.completion_tokens
         if self.output_mode == "cumulative":
             handle.last_ids = out.output_ids

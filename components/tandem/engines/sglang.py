@@ -190,7 +190,9 @@ class SGLangEngine(IteratorEngine):
         self.opts = opts
         self.output_mode = opts.output_mode
         self.page_size = opts.page_size
-        self.num_pages = 0  # SGLang sizes its pool in its scheduler process; not known here
+        # SGLang's pool: --max-total-tokens when tandem sets it (--num-pages), else sized by SGLang
+        # from GPU memory in its scheduler process, where tandem cannot read it cheaply (0).
+        self.num_pages = opts.num_pages
         self.spec = ModelSpec(name=os.path.basename(os.path.normpath(opts.model)), max_context=0)
         self._factory = engine_factory
         self._build_args = server_args_builder
@@ -279,6 +281,14 @@ class SGLangEngine(IteratorEngine):
             raise EngineRequestError("an aggregated sglang worker takes no bootstrap")
         if not req.prompt_ids:
             raise EngineRequestError("the prompt is empty")
+        limit = self.spec.max_context  # SGLang's own checks, made before anything is held
+        if limit and len(req.prompt_ids) >= limit:
+            raise EngineRequestError(f"the prompt ({len(req.prompt_ids)} tokens) is longer than "
+                                     f"the model's context length ({limit})")
+        if limit and len(req.prompt_ids) + req.sampling.max_tokens > limit:
+            raise EngineRequestError(f"prompt ({len(req.prompt_ids)}) + max_tokens "
+                                     f"({req.sampling.max_tokens}) exceed the model's context "
+                                     f"length ({limit})", param="max_tokens")
         sampling_dict(req.sampling, deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:

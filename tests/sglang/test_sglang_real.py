@@ -1,0 +1,174 @@
+"""The adapter against the REAL sglang package (installed without its CUDA deps: see
+tests/sglang/requirements.txt): every ServerArgs field it sets exists and every value passes
+SGLang's own argparse; every sampling dict it builds is accepted by SGLang's SamplingParams; its
+call's keywords and the TokenizerManager names it relies on exist. A rename in SGLang fails here.
+
+`sglang.srt.entrypoints.engine` and `tokenizer_manager` do not import on a CPU torch (they need a
+torchvision built for CUDA torch), so those two are checked by parsing their installed source."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tandem.engines.base import EngineRequest
+from tandem.engines.sglang import (
+    OWNED, SGLangOptions, SGLangSetupError, build_server_args, server_argv,
+)
+from tandem.engines.sglang_stream import generate_kwargs, sampling_dict
+from tandem.runtime.wire import Bootstrap, SamplingParams
+
+server_args_mod = pytest.importorskip(
+    "sglang.srt.server_args",
+    reason="the real sglang package is not installed: pip install --no-deps -r "
+           "tests/sglang/requirements.txt")
+sampling_mod = pytest.importorskip("sglang.srt.sampling.sampling_params")
+ServerArgs = server_args_mod.ServerArgs
+TESTED_VERSION = "0.5.23"
+
+
+def handler(signum: int, frame: object) -> None:
+    """A stand-in for the adapter's SIGQUIT handler."""
+
+
+def fields() -> set[str]:
+    import msgspec
+
+    return {f.name for f in msgspec.structs.fields(ServerArgs)}
+
+
+def test_the_installed_sglang_is_the_tested_release() -> None:
+    from importlib.metadata import version
+
+    assert version("sglang") == TESTED_VERSION
+
+
+def test_every_field_the_adapter_sets_exists() -> None:
+    names = fields()
+    for dest in [*OWNED, "custom_sigquit_handler", "host", "log_level",
+                 "disaggregation_transfer_backend", "enable_deterministic_inference"]:
+        assert dest in names, f"ServerArgs has no field {dest!r}"
+    assert "stream_output" not in names  # renamed incremental_streaming_output in 0.5.10
+
+
+@pytest.mark.parametrize("role", ["agg", "prefill", "decode"])
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+def test_server_args_through_sglangs_own_argparse(role: str, mode: str) -> None:
+    opts = SGLangOptions(model="/models/tiny", role=role, output_mode=mode,  # type: ignore[arg-type]
+                         page_size=32, max_batch=8, num_pages=100, host="10.1.2.3",
+                         bootstrap_port=9001 if role == "prefill" else 0, log_level="WARNING",
+                         engine_args=("--tp-size", "1", "--mem-fraction-static", "0.7"))
+    sa = build_server_args(opts, handler)
+    assert isinstance(sa, ServerArgs)
+    assert sa.model_path == "/models/tiny" and sa.page_size == 32 and sa.skip_tokenizer_init
+    assert sa.disaggregation_mode == {"agg": "null"}.get(role, role)
+    assert sa.incremental_streaming_output is (mode == "incremental")
+    assert sa.disaggregation_transfer_backend == ("mooncake" if role == "agg" else "nixl")
+    assert (sa.max_running_requests, sa.max_total_tokens) == (8, 3200)
+    assert sa.host == "10.1.2.3" and sa.log_level == "warning"
+    assert sa.custom_sigquit_handler is handler
+    assert sa.tp_size == 1 and sa.mem_fraction_static == 0.7  # SGLang's own flags pass through
+    if role == "prefill":
+        assert sa.disaggregation_bootstrap_port == 9001
+
+
+def test_sglang_flags_override_the_soft_defaults() -> None:
+    sa = build_server_args(SGLangOptions(model="/m", role="decode", engine_args=(
+        "--disaggregation-transfer-backend", "mooncake", "--log-level", "debug")))
+    assert sa.disaggregation_transfer_backend == "mooncake" and sa.log_level == "debug"
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (("--no-such-flag",), "--no-such-flag"),
+    (("--disaggregation-transfer-backend", "carrier-pigeon"), "carrier-pigeon"),
+    (("--tp-size", "two"), "--tp-size"),
+    (("--page-size", "64"), "--page-size"),
+    (("--model", "/other"), "--model-path"),
+    (("--incremental-streaming-output",), "--output-mode"),
+])
+def test_a_bad_or_conflicting_flag_is_an_error_naming_it(args: tuple[str, ...],
+                                                         named: str) -> None:
+    with pytest.raises(SGLangSetupError, match=named.replace("-", r"\-")):
+        build_server_args(SGLangOptions(model="/m", engine_args=args))
+
+
+def test_every_flag_tandem_passes_is_one_of_sglangs() -> None:
+    from tandem.engines.sglang import sglang_parser
+
+    parser = sglang_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
+    argv = server_argv(SGLangOptions(model="/m", role="prefill", output_mode="incremental",
+                                     max_batch=1, num_pages=1, bootstrap_port=1))
+    assert {a for a in argv if a.startswith("--")} <= known
+    assert {flag for flag, _ in OWNED.values()} <= known
+
+
+SAMPLINGS = [SamplingParams(), SamplingParams(max_tokens=5, temperature=0.0),
+             SamplingParams(temperature=0.7, top_p=0.9, top_k=40, stop_token_ids=(2, 7),
+                            ignore_eos=True),
+             SamplingParams(top_k=0, seed=123)]
+
+
+@pytest.mark.parametrize("sp", SAMPLINGS)
+def test_every_sampling_dict_is_accepted_by_sglang(sp: SamplingParams) -> None:
+    d = sampling_dict(sp, deterministic=True)
+    params = sampling_mod.SamplingParams(**d)  # an unknown or renamed key raises TypeError
+    params.verify(1000)
+    params.normalize(None)  # None: tandem starts SGLang with --skip-tokenizer-init
+    assert params.max_new_tokens == sp.max_tokens
+    assert params.top_k == (sp.top_k or sampling_mod.TOP_K_ALL) or sp.temperature == 0.0
+    assert params.sampling_seed == sp.seed
+
+
+def test_what_the_adapter_refuses_sglang_cannot_honour() -> None:
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):  # min_tokens without tokenizer
+        sampling_mod.SamplingParams(min_new_tokens=1).normalize(None)
+    with pytest.raises(ValueError, match="top_k"):  # tandem's 0 must not reach SGLang as 0
+        sampling_mod.SamplingParams(top_k=0).verify(1000)
+
+
+def _source(module: str) -> ast.Module:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+
+
+def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == name:
+                    return item
+    raise AssertionError(f"sglang has no {cls}.{name}")
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    a = fn.args
+    return {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
+
+
+def test_call_keywords_match_engine_async_generate() -> None:
+    fn = _method(_source("sglang.srt.entrypoints.engine"), "Engine", "async_generate")
+    assert isinstance(fn, ast.AsyncFunctionDef)
+    req = EngineRequest("a", [1, 2], SamplingParams(), Bootstrap("h", 1, 2))
+    assert set(generate_kwargs(req, "0" * 32, deterministic=False)) <= _params(fn)
+
+
+def test_tokenizer_manager_names_the_adapter_relies_on() -> None:
+    tree = _source("sglang.srt.managers.tokenizer_manager")
+    assert {"rid"} <= _params(_method(tree, "TokenizerManager", "abort_request"))
+    _method(tree, "TokenizerManager", "auto_create_handle_loop")
+    _method(tree, "SignalHandler", "sigterm_handler")
+    _method(tree, "SignalHandler", "running_phase_sigquit_handler")
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+               and n.name == "TokenizerManager")
+    body = ast.unparse(cls)
+    for attr in ("signal_handler_class", "asyncio_tasks", "context_len", "model_config",
+                 "_subprocess_watchdog"):
+        assert f"self.{attr} =" in body, attr
+    loop = ast.unparse(_method(tree, "TokenizerManager", "auto_create_handle_loop"))
+    assert "self.signal_handler_class(self)" in loop
+    _method(_source("sglang.srt.entrypoints.engine"), "Engine", "shutdown")
