@@ -105,7 +105,7 @@ def _ensure_authenticator(ctx: zmq.Context, keys: ClusterKeys) -> None:
             return
         # The handler thread needs a blocking context: a shadow shares the same ZMQ context
         # (ZAP requests travel over its inproc endpoint) whatever flavour `ctx` is.
-        sync_ctx = zmq.Context.shadow(ctx.underlying)
+        sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
         auth = ThreadAuthenticator(sync_ctx, log=logging.getLogger("tandem.auth.zap"))
         auth.start()
         auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=_OnlyKey(keys.public))

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -92,7 +92,8 @@ def send_nowait(sock: zmq.asyncio.Socket, msg: wire._Tagged, identity: bytes | N
     zmq.Again rather than growing memory without bound, and an unroutable identity raises
     EHOSTUNREACH. (pyzmq's asyncio socket tries a NOBLOCK send at once and reports the outcome in
     the returned future, already done: surface it here instead of losing it.)"""
-    fut = sock.send_multipart(frames(msg, identity), flags=zmq.NOBLOCK, copy=True)
+    fut = cast("asyncio.Future[object]",
+               sock.send_multipart(frames(msg, identity), flags=zmq.NOBLOCK, copy=True))
     if fut.done():
         exc = fut.exception()
         if exc is not None:

@@ -43,11 +43,15 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pass
 
 
+class _Frozen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    pass
+
+
 class _Tagged(_Msg, tag_field="t"):
     """A message that travels on its own (has a tag); plain _Msg structs only travel inside one."""
 
 
-class SamplingParams(_Msg, frozen=True):
+class SamplingParams(_Frozen, frozen=True):
     """What the engine needs to sample one sequence. Defaults here are the only defaults."""
 
     max_tokens: int = 16
@@ -60,7 +64,7 @@ class SamplingParams(_Msg, frozen=True):
     min_tokens: int = 0
 
 
-class Bootstrap(_Msg, frozen=True):
+class Bootstrap(_Frozen, frozen=True):
     """Where a prefill worker's bootstrap socket is, and which room this request is."""
 
     host: str
@@ -120,7 +124,7 @@ class Delta(_Msg):
     error_kind: ErrorKind | None = None
 
 
-class KvLayout(_Msg, frozen=True):
+class KvLayout(_Frozen, frozen=True):
     """What a peer needs to address a worker's KV pages (page-major: page i is the contiguous byte
     range [base_addr + i * page_bytes, + page_bytes))."""
 
@@ -250,7 +254,7 @@ class Decoder(Generic[M]):
 
     def __init__(self, union: object, name: str) -> None:
         self.name = name
-        self._dec: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(union)  # type: ignore[arg-type]
+        self._dec: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(union)
 
     def decode(self, type_byte: bytes, payload: bytes) -> M:
         if len(type_byte) != 1:
@@ -267,7 +271,7 @@ class Decoder(Generic[M]):
 
 
 _TAG_BYTES: dict[type, bytes] = {
-    c: bytes([c.__struct_config__.tag])  # type: ignore[misc]
+    c: bytes([int(c.__struct_config__.tag)])  # type: ignore[arg-type]
     for c in (Hello, Generates, Abort, LoadQuery, Credit, HelloReply, Deltas, LoadReport,
               KvHello, KvRoom, KvCancel, KvHelloReply, KvDone)
 }
