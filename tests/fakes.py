@@ -1,5 +1,6 @@
 """Test doubles for the frontend: a FakePool with the shape of tandem.router.pool.WorkerPool whose
-streams play scripted deltas and record aborts, and small model directories (tokenizer only)."""
+request handles play scripted deltas through a real DeltaCollector and record aborts, and small
+model directories (tokenizer only)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tandem.runtime import errors
+from tandem.config import RouterConfig
+from tandem.router.pool import WorkerPool
+from tandem.runtime import errors, wire
+from tandem.runtime.channel import MemoryChannel, memory_pair
+from tandem.runtime.collector import DeltaCollector
+from tandem.runtime.metrics import Registry
 from tandem.runtime.wire import Delta, SamplingParams, Usage, WorkerInfo
 
 
@@ -50,81 +56,116 @@ def one_token_script(tokens: list[int], tail: list[Item] | None = None,
     return script
 
 
-class FakeStream:
-    """A RequestStream that plays a script. Leaving the context before the finished delta records
-    an abort on the pool, as the real one sends an Abort to the worker."""
+class _ScriptedCollector(DeltaCollector):
+    """A real DeltaCollector that tells its feeder when the reader took a delta."""
+
+    __slots__ = ("on_take",)
+
+    def take(self) -> Delta | None:
+        d = super().take()
+        if d is not None:
+            self.on_take()
+        return d
+
+
+class FakeHandle:
+    """A request handle (tandem.router.request.RequestHandle's shape) whose deltas follow a
+    script, fed into a real DeltaCollector. Unless the pool plays bursts, the next delta arrives
+    one loop pass after the reader took the previous one (a worker that sends one per engine step
+    to a frontend that keeps up); with `burst`, consecutive scripted deltas arrive at once and the
+    collector merges them (a frontend that lags). Leaving before the finished delta records an
+    abort on the pool, as the real handle sends an Abort to the worker."""
 
     def __init__(self, pool: FakePool, rid: str, items: list[Item], burst: bool = False):
         self.pool = pool
         self.rid = rid
+        self.collector = _ScriptedCollector()
+        self.collector.on_take = self._taken
         self._items = list(items)
         self._burst = burst
+        self._timer: asyncio.TimerHandle | None = None
+        self._hung = False
         self.finished = False
         self.entered = False
         self.exited = False
 
-    async def __aenter__(self) -> FakeStream:
+    @property
+    def remaining(self) -> int:
+        """Script items not delivered yet."""
+        return len(self._items)
+
+    async def __aenter__(self) -> FakeHandle:
         self.entered = True
+        self._next()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.exited:
+            return
         self.exited = True
+        if self._timer is not None:
+            self._timer.cancel()
         if not self.finished:
             self.pool.aborted.append(self.rid)
         self.pool.exited.set()
 
-    def __aiter__(self) -> FakeStream:
-        return self
+    def _taken(self) -> None:
+        if self._timer is None and not self._hung and not self.exited:
+            asyncio.get_running_loop().call_soon(self._next)
 
-    def waiting(self) -> int:
-        """Items already here. Unless the pool plays bursts, each delta arrives on its own (as
-        from a worker that sends one per engine step to a frontend that keeps up)."""
-        if not self._burst:
-            return 0
-        n = 0
-        for item in self._items:
-            if isinstance(item, (Hang, float)):
-                break
-            n += 1
-        return n
+    def _wake(self) -> None:
+        self._timer = None
+        self._next()
 
-    async def __anext__(self) -> Delta:
-        while True:
-            if self.finished or not self._items:
-                raise StopAsyncIteration
-            item = self._items.pop(0)
+    def _next(self) -> None:
+        if self.exited or self.finished:
+            return
+        while self._items:
+            item = self._items[0]
             if isinstance(item, Hang):
-                await asyncio.Event().wait()
-            elif isinstance(item, float):
-                await asyncio.sleep(item)
-            elif isinstance(item, BaseException):
+                self._hung = True
+                return
+            self._items.pop(0)
+            if isinstance(item, float):
+                self._timer = asyncio.get_running_loop().call_later(item, self._wake)
+                return
+            if isinstance(item, BaseException):
                 self.finished = True  # the worker ended it: nothing left to abort
-                raise item
-            else:
-                if item.finish_reason is not None:
-                    self.finished = True
-                return item
+                self.collector.fail(item)
+                return
+            if item.finish_reason is not None:
+                self.finished = True
+            self.collector.put(item)
+            if self.finished or not self._burst:
+                return
+        if not self.finished:
+            self.finished = True
+            self.collector.fail(errors.EngineFailed("the script ended without a finish reason"))
 
 
 class FakePool:
-    """The WorkerPool API over scripted streams. `script(rid, prompt_ids, sampling)` gives each
+    """The WorkerPool API over scripted handles. `script(rid, prompt_ids, sampling)` gives each
     request's items; the default returns `reply_ids` as one-token deltas finishing with "length".
-    With `burst`, a stream's scripted deltas are all already there (a frontend that lags)."""
+    With `burst`, a handle's consecutive scripted deltas arrive at once (a frontend that lags)."""
 
     def __init__(self, info: WorkerInfo | None = None, reply_ids: list[int] | None = None,
                  script: Script | None = None, burst: bool = False):
         self.burst = burst
-        self.info: WorkerInfo | None = info or WorkerInfo(
+        self.info = info or WorkerInfo(
             name="fake-0", role="agg", engine="fake", model="tiny", page_size=16, pages_total=64,
             max_context=256)
+        self.max_context: int | None = self.info.max_context
         self.reply_ids = reply_ids or [10, 11, 12]
         self.script = script or (lambda rid, ids, sp: deltas(rid, self.reply_ids))
         self.is_ready = True
         self.unavailable: errors.TandemError | None = None
         self.opened: list[tuple[list[int], SamplingParams]] = []
-        self.streams: list[FakeStream] = []
+        self.streams: list[FakeHandle] = []
         self.aborted: list[str] = []
         self.exited = asyncio.Event()
+        self.registry = Registry()
+        self.registry.callback("tandem_worker_up", "Whether the worker is usable.",
+                               lambda: [(("fake",), int(self.is_ready))], ("worker",))
         self._n = 0
 
     def ready(self) -> bool:
@@ -135,18 +176,15 @@ class FakePool:
                  "in_flight": sum(1 for s in self.streams if s.entered and not s.exited),
                  "pages_free": 64, "pages_total": 64}]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> FakeStream:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> FakeHandle:
         if self.unavailable is not None:
             raise self.unavailable
         self._n += 1
         rid = f"fake{self._n}"
         self.opened.append((list(prompt_ids), sampling))
-        stream = FakeStream(self, rid, self.script(rid, prompt_ids, sampling), self.burst)
-        self.streams.append(stream)
-        return stream
-
-    def metrics(self) -> str:
-        return "# TYPE tandem_worker_up gauge\ntandem_worker_up{worker=\"fake\"} 1\n"
+        handle = FakeHandle(self, rid, self.script(rid, prompt_ids, sampling), self.burst)
+        self.streams.append(handle)
+        return handle
 
 
 MULTILINGUAL_CORPUS = [
@@ -191,3 +229,38 @@ def write_model_dir(path: Path, tokenizer: Tokenizer | None = None,
         cfg["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return path
+
+
+class MemoryWorkers:
+    """The worker ends of a WorkerPool's channels, in memory (`WorkerPool(..., connect=w.connect)`):
+    what the frontend sent each worker crosses the wire encoding and is kept in `sent(address)`."""
+
+    def __init__(self) -> None:
+        self.ends: dict[str, MemoryChannel[Any, Any]] = {}
+        self._log: dict[str, list[Any]] = {}
+
+    def connect(self, address: str, frontend_id: str) -> MemoryChannel[Any, Any]:
+        frontend, worker = memory_pair(decoders=(wire.TO_FRONTEND, wire.TO_WORKER))
+        self.ends[address] = worker
+        self._log[address] = []
+        return frontend
+
+    def sent(self, address: str) -> list[Any]:
+        self._log[address] += self.ends[address].received()
+        return self._log[address]
+
+
+def memory_pool(roles: list[str], pages: int = 100, page_size: int = 4,
+                max_context: int = 4096, **router: Any) -> tuple[WorkerPool, MemoryWorkers]:
+    """A WorkerPool over in-memory channels whose workers (`tcp://w0`, ...) have answered the
+    handshake with `roles` and reported `pages` free pages. No task runs: tests feed the links
+    (`link.on_message`) and read what they sent (`workers.sent(address)`)."""
+    workers = MemoryWorkers()
+    pool = WorkerPool([f"tcp://w{i}" for i in range(len(roles))], "fe-test",
+                      RouterConfig(**router), connect=workers.connect)
+    for i, (link, role) in enumerate(zip(pool.links, roles)):
+        link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, WorkerInfo(
+            f"w{i}", role, "mock", "m", page_size, pages, max_context,  # type: ignore[arg-type]
+            bootstrap_addr="127.0.0.1:9" if role == "prefill" else "")))
+        link.on_message(wire.LoadReport(0, wire.Load(pages_free=pages, pages_total=pages)))
+    return pool, workers

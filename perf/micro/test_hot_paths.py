@@ -30,7 +30,7 @@ def test_delta_maker_make_cumulative(benchmark):
     def run() -> object:
         m = DeltaMaker("r", "cumulative")
         m.sent = 64
-        return m.make(EngineOutput(ids, None, 16, 65))
+        return m.make(EngineOutput("r", ids, None, prompt_tokens=16, completion_tokens=65))
 
     assert benchmark(run) is not None
 
@@ -39,7 +39,8 @@ def test_delta_maker_make_incremental(benchmark):
     def run() -> object:
         m = DeltaMaker("r", "incremental")
         m.sent = 64
-        return m.make(EngineOutput([1064], None, 16, 65))
+        return m.make(EngineOutput("r", [1064], None, prompt_tokens=16,
+                                   completion_tokens=65))
 
     assert benchmark(run) is not None
 

@@ -17,7 +17,7 @@ from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.config import FrontendConfig
-from tandem.runtime.wire import Delta, SamplingParams
+from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
 from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
 
 CHAT = "/v1/chat/completions"
@@ -184,7 +184,7 @@ async def test_unavailable_is_503_with_retry_after(pre: Preprocessor) -> None:
         r = await c.post(CHAT, json={"messages": USER, "stream": True})
         assert r.status_code == 503 and r.headers["retry-after"] == "3"
         assert r.json()["error"]["type"] == "service_unavailable"
-        pool.info = None  # no worker said hello yet
+        pool.max_context = None  # no worker said hello yet
         r = await c.post(CHAT, json={"messages": USER})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
 
@@ -351,3 +351,30 @@ async def test_client_gone_while_waiting_for_an_aggregated_reply(pre: Preprocess
     sent = await _drive(make_app(pre, pool), {"messages": USER}, disconnect_after_s=0.05)
     assert sent == []
     assert pool.aborted == [pool.streams[0].rid]
+
+
+@pytest.mark.parametrize("kind, status, type_", [
+    (ErrorKind.BAD_REQUEST, 400, "invalid_request_error"),
+    (ErrorKind.DUPLICATE, 500, "internal_error"),
+    (ErrorKind.DRAINING, 503, "service_unavailable"),
+    (ErrorKind.FRONTEND_SILENT, 503, "service_unavailable"),
+    (ErrorKind.KV_TRANSFER, 502, "kv_transfer_error"),
+    (ErrorKind.ENGINE, 500, "engine_error"),
+])
+async def test_a_workers_error_kind_maps_to_its_status(pre: Preprocessor, kind: ErrorKind,
+                                                       status: int, type_: str) -> None:
+    """Before any token the kind is the HTTP status; mid-stream it is the error event's type."""
+    def script(rid: str, ids: list[int], sp: SamplingParams) -> list[Any]:
+        return [Delta(rid, 0, [], "error", error="it failed", error_kind=kind)]
+
+    pool = FakePool(script=script)
+    async with client(make_app(pre, pool)) as c:
+        r = await c.post(CHAT, json={"messages": USER, "stream": True})
+        assert r.status_code == status and r.json()["error"]["type"] == type_
+        assert r.json()["error"]["message"] == "it failed"
+        assert ("retry-after" in r.headers) == (status == 503)
+        pool.script = one_token_script(ids_of(pre, "ab"), [
+            Delta("x", 2, [], "error", error="it failed", error_kind=kind)])
+        evs = events((await c.post(CHAT, json={"messages": USER, "stream": True})).text)
+    assert "".join(chat_texts(evs)) == "ab"
+    assert evs[-2]["error"]["type"] == type_ and evs[-1] == "[DONE]"

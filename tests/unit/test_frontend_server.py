@@ -109,7 +109,7 @@ async def test_a_client_that_does_not_read_holds_back_the_stream(
     left = -1
     while loop.time() < deadline:  # wait until the app stops consuming deltas: writes block
         await asyncio.sleep(0.3)
-        now_left = len(pool.streams[0]._items) if pool.streams else -1
+        now_left = pool.streams[0].remaining if pool.streams else -1
         if now_left == left and left > 0:
             break
         left = now_left

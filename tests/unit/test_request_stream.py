@@ -1,81 +1,223 @@
-"""RequestStream refuses a gap or an overlap, maps worker errors, and aborts when left early."""
+"""A request handle and its worker links over in-memory channels: offsets checked (a gap or an
+overlap fails loudly and aborts), a worker's error reaches the reader with its kind, leaving early
+aborts, a lost worker fails its requests, a PD request fails cleanly when either leg fails; and the
+link's own protocol: handshake, heartbeat deadline (injected clock), dropped connection, credit."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from tandem.router.client import RequestStream
-from tandem.runtime import errors
-from tandem.runtime.wire import Abort, Delta, ErrorKind, Generate, SamplingParams, Usage
+from tandem.router.pool import WorkerPool
+from tandem.router.request import RequestHandle
+from tandem.runtime import errors, wire
+from tandem.runtime.wire import (Abort, Credit, Delta, Deltas, ErrorKind, Generates, Hello,
+                                 LoadQuery, SamplingParams, Usage)
+from tests.fakes import MemoryWorkers, memory_pool
+
+SP = SamplingParams(max_tokens=4)
 
 
-class FakeClient:
-    address = "tcp://fake"
-    state = "up"
-
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-        self.in_flight: dict[str, RequestStream] = {}
-        self.protocol_errors = 0
-
-    def start_request(self, s: RequestStream) -> None:
-        self.in_flight[s.rid] = s
-        self.sent.append(s._msg)
-
-    def end_request(self, s: RequestStream, abort: bool) -> None:
-        self.in_flight.pop(s.rid, None)
-        if abort:
-            self.sent.append(Abort([s.rid]))
+async def placed(pool: WorkerPool, ids: list[int] | None = None) -> RequestHandle:
+    h = pool.open(ids or [1, 2, 3], SP)
+    await h.__aenter__()
+    await asyncio.sleep(0)  # its Generates leave
+    return h
 
 
-def stream(client: FakeClient) -> RequestStream:
-    return RequestStream(client, Generate("r", [1], SamplingParams()))  # type: ignore[arg-type]
+def aborts(workers: MemoryWorkers, address: str) -> list[str]:
+    return [rid for m in workers.sent(address) if isinstance(m, Abort) for rid in m.rids]
 
 
-async def test_in_order_deltas_pass_and_finish_ends_iteration():
-    c = FakeClient()
-    async with stream(c) as s:
-        s.push(Delta("r", 0, [1, 2]))
-        s.push(Delta("r", 2, [3], "length", Usage(1, 3)))
-        got = [d.token_ids async for d in s]
-    assert got == [[1, 2], [3]]
-    assert not any(isinstance(m, Abort) for m in c.sent)
+async def test_in_order_deltas_pass_merge_while_unread_and_finish_ends_iteration() -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    async with await placed(pool) as h:
+        link.on_deltas(Deltas([Delta(h.rid, 0, [1, 2])]))
+        assert [d.token_ids for d in [await h.__anext__()]] == [[1, 2]]
+        link.on_deltas(Deltas([Delta(h.rid, 2, [3])]))
+        link.on_deltas(Deltas([Delta(h.rid, 3, [4], "length", Usage(1, 4))]))
+        got = [(d.token_ids, d.finish_reason) async for d in h]
+    assert got == [([3, 4], "length")]  # the reader lagged: one merged delta
+    assert aborts(workers, link.address) == [] and link.num_in_flight == 0
 
 
 @pytest.mark.parametrize("second_offset", [1, 3])  # overlap, gap
-async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset):
-    c = FakeClient()
+async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset: int) -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
     with pytest.raises(errors.StreamProtocolError):
-        async with stream(c) as s:
-            s.push(Delta("r", 0, [1, 2]))
-            s.push(Delta("r", second_offset, [3]))
-            async for _ in s:
-                pass
-    assert c.protocol_errors == 1
-    assert isinstance(c.sent[-1], Abort)
+        async with await placed(pool) as h:
+            link.on_deltas(Deltas([Delta(h.rid, 0, [1, 2]), Delta(h.rid, second_offset, [3])]))
+            assert (await h.__anext__()).token_ids == [1, 2]  # what came before is kept
+            await h.__anext__()
+    assert link.protocol_errors == 1
+    assert aborts(workers, link.address) == [h.rid]
 
 
-@pytest.mark.parametrize("kind,cls", [(ErrorKind.BAD_REQUEST, errors.BadRequest),
-                                      (ErrorKind.DRAINING, errors.Unavailable),
-                                      (ErrorKind.ENGINE, errors.EngineFailed)])
-async def test_error_delta_maps_to_status(kind, cls):
-    c = FakeClient()
-    with pytest.raises(cls):
-        async with stream(c) as s:
-            s.push(Delta("r", 0, [], "error", error="nope", error_kind=kind))
-            async for _ in s:
-                pass
+@pytest.mark.parametrize("kind", list(ErrorKind))
+async def test_error_delta_reaches_the_reader_with_its_kind(kind: ErrorKind) -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    async with await placed(pool) as h:
+        link.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="nope", error_kind=kind)]))
+        got = [d async for d in h]
+    assert [(d.finish_reason, d.error_kind, d.error) for d in got] == [("error", kind, "nope")]
+    assert aborts(workers, link.address) == []  # the worker ended it itself
 
 
-async def test_leaving_early_aborts_and_worker_loss_raises():
-    c = FakeClient()
-    async with stream(c) as s:
-        s.push(Delta("r", 0, [1]))
-        async for _ in s:
+async def test_leaving_early_aborts_and_worker_loss_raises() -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    async with await placed(pool) as h:
+        link.on_deltas(Deltas([Delta(h.rid, 0, [1])]))
+        async for _ in h:
             break
-    assert isinstance(c.sent[-1], Abort) and not c.in_flight
+    assert aborts(workers, link.address) == [h.rid] and link.num_in_flight == 0
     with pytest.raises(errors.WorkerLost):
-        async with stream(c) as s:
-            s.push(errors.WorkerLost("gone"))
-            async for _ in s:
-                pass
+        async with await placed(pool) as h2:
+            link.on_disconnected()
+            await h2.__anext__()
+    assert aborts(workers, link.address) == [h.rid]  # nothing to abort on a lost worker
+
+
+async def test_pd_prefill_error_fails_the_request_and_aborts_decode() -> None:
+    pool, workers = memory_pool(["prefill", "decode"])
+    p, d = pool.links
+    async with await placed(pool) as h:
+        assert h.workers == (d.address, p.address)
+        d.on_deltas(Deltas([Delta(h.rid, 0, [5])]))
+        p.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="no room",
+                                  error_kind=ErrorKind.KV_TRANSFER)]))
+        got = [x async for x in h]
+    assert [(x.token_ids, x.finish_reason, x.error_kind) for x in got] == [
+        ([5], "error", ErrorKind.KV_TRANSFER)]  # the text before the failure is kept
+    assert "prefill failed: no room" in got[0].error
+    assert aborts(workers, d.address) == [h.rid] and aborts(workers, p.address) == []
+    assert p.num_in_flight == d.num_in_flight == 0
+
+
+async def test_pd_lost_prefill_worker_fails_the_request_and_aborts_decode() -> None:
+    pool, workers = memory_pool(["prefill", "decode"])
+    p, d = pool.links
+    with pytest.raises(errors.WorkerLost, match="prefill failed"):
+        async with await placed(pool) as h:
+            p.on_disconnected()
+            await h.__anext__()
+    assert aborts(workers, d.address) == [h.rid] and d.num_in_flight == 0
+
+
+async def test_pd_decode_failure_aborts_prefill() -> None:
+    pool, workers = memory_pool(["prefill", "decode"])
+    p, d = pool.links
+    with pytest.raises(errors.WorkerLost):
+        async with await placed(pool) as h:
+            d.on_disconnected()
+            await h.__anext__()
+    assert aborts(workers, p.address) == [h.rid] and p.num_in_flight == 0
+
+
+async def test_pd_prefill_finishing_lets_decode_go_on() -> None:
+    pool, workers = memory_pool(["prefill", "decode"])
+    p, d = pool.links
+    async with await placed(pool) as h:
+        p.on_deltas(Deltas([Delta(h.rid, 0, [5], "length", Usage(3, 1))]))
+        d.on_deltas(Deltas([Delta(h.rid, 0, [5, 6], "length", Usage(3, 2))]))
+        got = [x.token_ids async for x in h]
+    assert got == [[5, 6]]
+    assert aborts(workers, p.address) == aborts(workers, d.address) == []
+
+
+# --- the link's own protocol ---------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_handshake_heartbeat_deadline_and_coming_back() -> None:
+    clock = Clock()
+    workers = MemoryWorkers()
+    pool = WorkerPool(["tcp://w0"], "fe-1", connect=workers.connect, clock=clock,
+                      heartbeat_deadline_s=3.0)
+    link = pool.links[0]
+    link.tick()
+    assert workers.sent(link.address) == [Hello(wire.PROTOCOL_VERSION, "fe-1")]
+    assert not pool.ready()
+    link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, wire.WorkerInfo(
+        "w0", "agg", "mock", "m", 4, 10, 100)))
+    assert pool.ready() and link.state == "up"
+    h = await placed(pool)
+    clock.now += 2.0
+    link.tick()  # within the deadline: a load query
+    assert isinstance(workers.sent(link.address)[-1], LoadQuery)
+    clock.now += 2.0
+    link.tick()  # silent for 4s: down, its requests fail
+    assert link.state == "down" and not pool.ready()
+    with pytest.raises(errors.WorkerLost):
+        await h.__anext__()
+    link.tick()
+    assert isinstance(workers.sent(link.address)[-1], Hello)  # says hello again
+    link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, link.info))
+    assert link.state == "up"
+
+
+async def test_a_refused_handshake_makes_the_link_incompatible() -> None:
+    workers = MemoryWorkers()
+    pool = WorkerPool(["tcp://w0"], "fe-1", connect=workers.connect)
+    link = pool.links[0]
+    link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION + 1, False, error="version"))
+    assert link.state == "incompatible" and link.error == "version"
+    link.tick()
+    assert workers.sent(link.address) == []  # no more hellos
+
+
+async def test_credit_once_per_loop_pass_and_generates_batched() -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    hs = [pool.open([i], SP) for i in range(3)]
+    for h in hs:
+        await h.__aenter__()
+    await asyncio.sleep(0)
+    sent = workers.sent(link.address)
+    assert [[g.rid for g in m.items] for m in sent if isinstance(m, Generates)] == \
+        [[h.rid for h in hs]]  # one message for the pass
+    for h in hs:
+        link.on_deltas(Deltas([Delta(h.rid, 0, [1])]))
+    await asyncio.sleep(0)
+    assert [m for m in workers.sent(link.address) if isinstance(m, Credit)] == [Credit(3)]
+    for h in hs:
+        await h.__aexit__(None, None, None)
+
+
+async def test_a_full_channel_fails_the_requests_placed_on_it() -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    link.channel.bound = 0  # type: ignore[attr-defined]  # the worker stopped reading
+    h = pool.open([1], SP)
+    await h.__aenter__()
+    await asyncio.sleep(0)
+    with pytest.raises(errors.Unavailable):
+        await h.__anext__()
+    assert link.num_in_flight == 0
+
+
+async def test_the_links_tasks_feed_it_from_the_channel() -> None:
+    pool, workers = memory_pool(["agg"])
+    link = pool.links[0]
+    await pool.start()
+    try:
+        h = await placed(pool)
+        end = workers.ends[link.address]
+        end.send_nowait(Deltas([Delta(h.rid, 0, [9], "length", Usage(1, 1))]))
+        got = [d.token_ids async for d in h]
+        assert got == [[9]]
+        end.disconnect()  # the connection drops: down at once
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert link.state == "down"
+    finally:
+        await pool.close()

@@ -1,6 +1,6 @@
-"""The router without sockets: policies (round-robin order, least-loaded, prefix affinity by block
-hash), backpressure accounting, and the admission queue (bounded, deadline, FIFO wake-up, a
-cancelled waiter leaves)."""
+"""The router without sockets (WorkerLinks over in-memory channels): policies (round-robin order,
+least-loaded, prefix affinity by block hash), backpressure accounting, and the admission queue
+(bounded, deadline, FIFO wake-up, a cancelled waiter leaves)."""
 
 from __future__ import annotations
 
@@ -9,55 +9,48 @@ import time
 
 import pytest
 
-from tandem.router.client import WorkerClient
-from tandem.router.pd import PDStream
+from tandem.router.link import WorkerLink
 from tandem.router.policy import block_hashes
-from tandem.router.pool import RoutedStream, WorkerPool
+from tandem.router.pool import WorkerPool
+from tandem.router.request import RequestHandle
 from tandem.runtime import errors
-from tandem.config import RouterConfig
-from tandem.runtime.wire import Abort, Delta, Deltas, Generate, Generates, Load, LoadReport, Usage
-from tandem.runtime.wire import SamplingParams, WorkerInfo
+from tandem.runtime.wire import Abort, Delta, Deltas, Generates, Load, LoadReport, Usage
+from tandem.runtime.wire import SamplingParams
+from tests.fakes import memory_pool
 
 PAGE = 4
 SP = SamplingParams(max_tokens=4)
+_log: dict[int, list[object]] = {}
 
 
 def make_pool(roles: list[str], pages: int = 100, **router: object) -> WorkerPool:
-    """Real WorkerClients marked up, with `_send` recording messages instead of a socket."""
-    pool = WorkerPool([f"tcp://w{i}" for i in range(len(roles))],
-                      router=RouterConfig(**router))  # type: ignore[arg-type]
-    for i, (c, role) in enumerate(zip(pool.clients, roles)):
-        c.state = "up"
-        c.info = WorkerInfo(f"w{i}", role, "mock", "m", PAGE, pages, 4096,  # type: ignore[arg-type]
-                            bootstrap_addr="127.0.0.1:9" if role == "prefill" else "")
-        c.load = Load(pages_free=pages, pages_total=pages)
-        c.sent = []  # type: ignore[attr-defined]
-        c._send = c.sent.append  # type: ignore[method-assign,attr-defined]
-    return pool
+    """A pool of real WorkerLinks over in-memory channels, every worker up."""
+    return memory_pool(roles, pages, PAGE, **router)[0]
 
 
-def generates(c: WorkerClient) -> list[list[int]]:
+def sent(c: WorkerLink) -> list[object]:
+    """Everything the frontend sent the worker of `c` so far, decoded as the worker would."""
+    worker_end = c.channel.peer  # type: ignore[attr-defined]  # a MemoryChannel
+    log = _log.setdefault(id(worker_end), [])
+    log += worker_end.received()
+    return log
+
+
+def generates(c: WorkerLink) -> list[list[int]]:
     """The prompts of the requests sent to `c` (Generates batch a loop pass's requests)."""
-    out = []
-    for m in c.sent:  # type: ignore[attr-defined]
-        if isinstance(m, Generates):
-            out += [g.prompt_ids for g in m.items]
-        elif isinstance(m, Generate):
-            out.append(m.prompt_ids)
-    return out
+    return [g.prompt_ids for m in sent(c) if isinstance(m, Generates) for g in m.items]
 
 
-def worker_of(s: RoutedStream) -> str:
-    placed = s.placed
-    assert placed is not None and not isinstance(placed, PDStream)
-    return placed._client.address
+def worker_of(s: RequestHandle) -> str:
+    assert len(s.workers) == 1
+    return s.workers[0]
 
 
-def finish(c: WorkerClient, rid: str, offset: int = 0) -> None:
+def finish(c: WorkerLink, rid: str, offset: int = 0) -> None:
     c.on_deltas(Deltas([Delta(rid, offset, [7], "length", Usage(1, offset + 1))]))
 
 
-async def enter(pool: WorkerPool, ids: list[int]) -> RoutedStream:
+async def enter(pool: WorkerPool, ids: list[int]) -> RequestHandle:
     s = pool.open(ids, SP)
     await asyncio.wait_for(s.__aenter__(), 2)
     return s
@@ -124,11 +117,15 @@ async def test_prefix_falls_back_to_least_loaded_when_the_match_is_full():
 
 
 async def test_prefix_map_is_bounded():
-    pool = make_pool(["agg"], policy="prefix")
-    pool.policy.max_blocks = 5  # type: ignore[attr-defined]
-    for i in range(4):
-        await enter(pool, list(range(i * 100, i * 100 + 16)))
-    assert len(pool.policy._owner["agg"]) == 5  # type: ignore[attr-defined]
+    pool = make_pool(["agg"], policy="prefix", prefix_cache_blocks=5)
+    docs = [list(range(i * 100, i * 100 + 16)) for i in range(4)]  # 4 blocks each
+    for doc in docs:
+        await enter(pool, doc)
+    hits = pool.policy.hits  # type: ignore[attr-defined]
+    await enter(pool, docs[0])  # its blocks were forgotten: the map keeps the last 5 only
+    assert pool.policy.hits == hits  # type: ignore[attr-defined]
+    await enter(pool, docs[3])
+    assert pool.policy.hits == hits + 1  # type: ignore[attr-defined]
 
 
 async def test_pd_picks_prefill_and_decode_each_within_its_role():
@@ -136,8 +133,8 @@ async def test_pd_picks_prefill_and_decode_each_within_its_role():
     pairs = []
     for _ in range(3):
         s = await enter(pool, list(range(10)))
-        assert isinstance(s.placed, PDStream)
-        pairs.append((s.placed.prefill._client.address, s.placed.decode._client.address))
+        decode, prefill = s.workers
+        pairs.append((prefill, decode))
         await s.__aexit__(None, None, None)
     assert pairs == [("tcp://w0", "tcp://w2"), ("tcp://w1", "tcp://w3"), ("tcp://w0", "tcp://w2")]
 
@@ -151,14 +148,15 @@ async def test_accounting_follows_a_request_from_start_to_end():
     c.on_deltas(Deltas([Delta(s.rid, 0, [1, 2])]))
     assert (c.pending_prefill_tokens, c.active_decode_tokens) == (0, 12)
     finish(c, s.rid, 2)
+    # not read yet: the collector merged both deltas into one
     got = [d.token_ids async for d in s]
-    assert got == [[1, 2], [7]]
+    assert got == [[1, 2, 7]]
     await s.__aexit__(None, None, None)
     assert (c.pending_prefill_tokens, c.active_decode_tokens, c.num_in_flight) == (0, 0, 0)
-    assert not any(isinstance(m, Abort) for m in c.sent)  # type: ignore[attr-defined]
+    assert not any(isinstance(m, Abort) for m in sent(c))
     snap = (await pool.snapshot())[0]
     assert snap["pending_prefill_tokens"] == 0 and snap["active_decode_tokens"] == 0
-    text = pool.metrics()
+    text = pool.registry.render()
     assert 'tandem_worker_active_decode_tokens{worker="tcp://w0"} 0' in text
     assert 'tandem_worker_pending_prefill_tokens{worker="tcp://w0"} 0' in text
 
@@ -180,7 +178,7 @@ async def test_pending_prefill_token_limit_queues_until_a_first_delta():
     a = await enter(pool, list(range(15)))
     waiting = asyncio.create_task(enter(pool, list(range(10))))
     await asyncio.sleep(0.01)
-    assert not waiting.done() and len(pool._admission) == 1
+    assert not waiting.done() and pool.num_queued == 1
     c.on_deltas(Deltas([Delta(a.rid, 0, [1])]))  # a's prefill is done
     await asyncio.wait_for(waiting, 1)
     assert c.pending_prefill_tokens == 10
@@ -189,7 +187,7 @@ async def test_pending_prefill_token_limit_queues_until_a_first_delta():
 async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
     pool = make_pool(["agg"], pages=10)
     c = pool.clients[0]
-    c.load = Load(pages_free=2, pages_total=10)
+    c.on_load(LoadReport(0, Load(pages_free=2, pages_total=10)))
     waiting = asyncio.create_task(enter(pool, list(range(4 * PAGE))))  # needs 4 pages
     await asyncio.sleep(0.01)
     assert not waiting.done()
@@ -212,8 +210,8 @@ async def test_queue_is_bounded_and_wakes_in_fifo_order():
     with pytest.raises(errors.Unavailable) as e:
         await enter(pool, [4])
     assert time.monotonic() - t0 < 0.1 and e.value.retry_after and e.value.status == 503
-    assert 'tandem_router_rejected_requests_total{reason="queue_full"} 1' in pool.metrics()
-    assert "tandem_router_queued_requests 2" in pool.metrics()
+    assert 'tandem_router_rejected_requests_total{reason="queue_full"} 1' in pool.registry.render()
+    assert "tandem_router_queued_requests 2" in pool.registry.render()
     finish(c, first.rid)
     await first.__aexit__(None, None, None)
     s2 = await asyncio.wait_for(second, 1)
@@ -222,8 +220,8 @@ async def test_queue_is_bounded_and_wakes_in_fifo_order():
     assert generates(c) == [[1], [2]]
     await s2.__aexit__(None, None, None)  # left early: aborted, and the third goes on
     s3 = await asyncio.wait_for(third, 1)
-    assert s3.placed is not None and len(pool._admission) == 0
-    assert "tandem_router_queue_wait_seconds_count 3" in pool.metrics()
+    assert s3.placed and pool.num_queued == 0
+    assert "tandem_router_queue_wait_seconds_count 3" in pool.registry.render()
 
 
 async def test_queue_deadline_gives_503_and_leaves_the_queue():
@@ -233,8 +231,8 @@ async def test_queue_deadline_gives_503_and_leaves_the_queue():
     with pytest.raises(errors.Unavailable) as e:
         await enter(pool, [2])
     assert 0.09 < time.monotonic() - t0 < 1.0 and e.value.retry_after
-    assert len(pool._admission) == 0
-    assert 'tandem_router_rejected_requests_total{reason="queue_timeout"} 1' in pool.metrics()
+    assert pool.num_queued == 0
+    assert 'tandem_router_rejected_requests_total{reason="queue_timeout"} 1' in pool.registry.render()
 
 
 async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
@@ -248,10 +246,10 @@ async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone
-    assert len(pool._admission) == 1
+    assert pool.num_queued == 1
     await first.__aexit__(None, None, None)
     s = await asyncio.wait_for(nxt, 1)
-    assert s.placed is not None and c.num_in_flight == 1
+    assert s.placed and c.num_in_flight == 1
     await asyncio.sleep(0)
     assert generates(c) == [[1], [3]]
 
@@ -268,7 +266,7 @@ async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker
         await waiter
     assert c.num_in_flight == 0 and c.active_decode_tokens == 0
     assert generates(c) == [[1], [2]]  # its Generate left before it was cancelled ...
-    assert isinstance(c.sent[-1], Abort)  # type: ignore[attr-defined]  # ... so it is aborted
+    assert isinstance(sent(c)[-1], Abort)  # ... so it is aborted
 
 
 async def test_a_request_placed_and_left_in_the_same_pass_never_reaches_the_worker():
@@ -278,7 +276,7 @@ async def test_a_request_placed_and_left_in_the_same_pass_never_reaches_the_work
     await s.__aenter__()  # placed at once (no queue): nothing here yields to the loop
     await s.__aexit__(None, None, None)  # before this loop pass ended: its Generate is still here
     await asyncio.sleep(0)
-    assert generates(c) == [] and not c.sent  # type: ignore[attr-defined]
+    assert generates(c) == [] and not sent(c)
     assert c.num_in_flight == 0 and c.active_decode_tokens == 0
 
 
@@ -287,7 +285,7 @@ async def test_waiters_fail_fast_when_the_last_worker_goes_down():
     await enter(pool, [1])
     waiter = asyncio.create_task(enter(pool, [2]))
     await asyncio.sleep(0.01)
-    pool.clients[0]._mark_down("test")
+    pool.links[0].on_disconnected()
     with pytest.raises(errors.Unavailable):
         await asyncio.wait_for(waiter, 1)
     with pytest.raises(errors.Unavailable):

@@ -1,11 +1,13 @@
 """End to end through the real pieces, in one process: engine outputs (cumulative, handed as the
 SAME live list growing as SGLang does, or incremental; chunked at random) -> worker DeltaMaker ->
-Delta messages (optionally through the wire encoding) -> the router's RequestStream of a real
-WorkerPool (offsets checked) -> the HTTP app (detokenizer, stop strings, stream_interval, one or
-several choices) -> the SSE bytes. What the client reassembles must be exactly the engine's output.
+Delta messages (optionally through the wire encoding) -> the router's WorkerLink and
+RequestHandle of a real WorkerPool (offsets checked, deltas merged while the reader lags) -> the
+HTTP app (detokenizer, stop strings, stream_interval, one or several choices) -> the SSE bytes.
+What the client reassembles must be exactly the engine's output.
 
-Only the worker socket is faked: the client's send is captured, and each delta is pushed into the
-stream the way the client's receive loop does.
+Only the worker is faked: it sits at the other end of an in-memory channel (through the wire
+encoding), and answers each Generate it receives with that request's deltas, one message per loop
+pass.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from hypothesis import strategies as st
 from tandem.engines.base import EngineOutput
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
-from tandem.router.client import RequestStream
-from tandem.router.pool import WorkerPool
+from tandem.router.request import RequestHandle
 from tandem.runtime import wire
 from tandem.config import FrontendConfig
-from tandem.runtime.wire import Delta, Deltas, Generate, SamplingParams, WorkerInfo
+from tandem.runtime.metrics import Registry
+from tandem.runtime.wire import Delta, Deltas, SamplingParams
 from tandem.worker.deltas import DeltaMaker
-from tests.fakes import MULTILINGUAL_CORPUS, write_model_dir
+from tests.fakes import MULTILINGUAL_CORPUS, memory_pool, write_model_dir
 
 ALPHABET = sorted(set("".join(MULTILINGUAL_CORPUS[:3])))
 
@@ -52,9 +54,11 @@ def engine_outputs(ids: list[int], cuts: list[int], cumulative: bool,
         fin = "length" if k == len(bounds) - 2 else None
         if cumulative:
             ahead = bounds[k + 2] if lookahead[k % len(lookahead)] and k + 2 < len(bounds) else hi
-            plan.append((EngineOutput(live, fin, 3, hi), ids[:ahead]))  # type: ignore[arg-type]
+            plan.append((EngineOutput("r", live, fin, prompt_tokens=3,  # type: ignore[arg-type]
+                                      completion_tokens=hi), ids[:ahead]))
         else:
-            plan.append((EngineOutput(ids[lo:hi], fin, 3, hi), []))  # type: ignore[arg-type]
+            plan.append((EngineOutput("r", ids[lo:hi], fin, prompt_tokens=3,  # type: ignore[arg-type]
+                                      completion_tokens=hi), []))
     return plan
 
 
@@ -76,19 +80,27 @@ def worker_deltas(rid: str, plan: list[tuple[EngineOutput, list[int]]], cumulati
 
 
 class Harness:
-    """The frontend's pool: the router's real RequestStream on a real WorkerClient (of a real
-    WorkerPool, whose /metrics text is served) with its socket replaced. `open` returns the
-    stream fed with the deltas `make(rid)` gives, as the client's receive loop would push them."""
+    """A real WorkerPool of one worker over an in-memory channel, and the worker's end played by a
+    task: each Generate it receives is answered with the deltas `make(rid)` gives, one `Deltas`
+    message per loop pass. `sent` is everything the frontend sent the worker."""
 
     def __init__(self) -> None:
-        self.router = WorkerPool(["tcp://127.0.0.1:9"], "fe-test")
-        c = self.client = self.router.clients[0]
-        c.state = "up"
-        c.info = self.info = WorkerInfo("w0", "agg", "fake", "tiny", 16, 64, 100_000)
+        self.pool, self.workers = memory_pool(["agg"], pages=64, page_size=16,
+                                              max_context=100_000)
+        self.link = self.pool.links[0]
+        self.end = self.workers.ends[self.link.address]
+        self.streams: list[RequestHandle] = []
         self.sent: list[Any] = []
-        c._send = self.sent.append  # type: ignore[method-assign]
-        self.streams: list[RequestStream] = []
         self.make: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def registry(self) -> Registry:
+        return self.pool.registry
+
+    @property
+    def max_context(self) -> int | None:
+        return self.pool.max_context
 
     def ready(self) -> bool:
         return True
@@ -97,14 +109,34 @@ class Harness:
         return []
 
     def metrics(self) -> str:
-        return self.router.metrics()
+        return self.pool.registry.render()
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestStream:
-        s = RequestStream(self.client, Generate(f"r{len(self.streams)}", prompt_ids, sampling))
-        for d in self.make(s.rid):
-            s.push(d)
-        self.streams.append(s)
-        return s
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+        h = self.pool.open(prompt_ids, sampling)
+        self.streams.append(h)
+        return h
+
+    async def start(self) -> None:
+        await self.pool.start()
+        self._task = asyncio.create_task(self._worker())
+
+    async def close(self) -> None:
+        await self.pool.close()
+        if self._task is not None:
+            if self._task.done():
+                self._task.result()  # the fake worker failed: say why
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.sent += self.end.received()  # what it had not read yet
+
+    async def _worker(self) -> None:
+        async for msg in self.end:
+            self.sent.append(msg)
+            if isinstance(msg, wire.Generates):
+                for g in msg.items:
+                    for d in self.make(g.rid):
+                        self.end.send_nowait(Deltas([d]))
+                        await asyncio.sleep(0)
 
 
 def parse_sse(body: str) -> list[Any]:
@@ -136,8 +168,15 @@ def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
 async def run_request(pre: Preprocessor, h: Harness, body: dict[str, Any]) -> httpx.Response:
     app = FrontendApp(FrontendConfig(model="/m/tiny", served_model_name="tiny"), h, pre)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-        return await c.post("/v1/completions", json=body)
+    await h.start()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+        for _ in range(3):  # the last Aborts leave
+            await asyncio.sleep(0)
+        return r
+    finally:
+        await h.close()
 
 
 @st.composite
@@ -194,8 +233,8 @@ def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
     assert evs[-2]["usage"]["completion_tokens"] == received
     if want_finish == "length":
         assert received == len(ids) * sc["n"]
-        assert h.client.in_flight == {} and not any(isinstance(m, wire.Abort) for m in h.sent)
-    assert h.client.protocol_errors == 0
+        assert h.link.num_in_flight == 0 and not any(isinstance(m, wire.Abort) for m in h.sent)
+    assert h.link.protocol_errors == 0
 
 
 @settings(max_examples=50, deadline=None)
@@ -221,13 +260,13 @@ def test_a_gap_or_overlap_fails_loudly_and_is_counted(pre: Preprocessor, n_token
         evs = parse_sse(r.text)
         assert evs[-1] == "[DONE]" and evs[-2]["error"]["type"] == "protocol_error"
         assert not any(c["finish_reason"] for e in evs[:-2] for c in e["choices"])
-    assert h.client.protocol_errors >= 1
+    assert h.link.protocol_errors >= 1
     metric = [line for line in h.metrics().splitlines()
               if line.startswith("tandem_delta_protocol_errors_total{")]
-    assert metric and float(metric[0].rsplit(" ", 1)[1]) == h.client.protocol_errors
+    assert metric and float(metric[0].rsplit(" ", 1)[1]) == h.link.protocol_errors
     aborted = {rid for m in h.sent if isinstance(m, wire.Abort) for rid in m.rids}
     left = {g.rid for m in h.sent if isinstance(m, wire.Generates) for g in m.items}
     # Every choice left unfinished is aborted on the worker, unless its Generate never left (a
     # request placed and ended within one loop pass is never sent).
     assert aborted == {s.rid for s in h.streams} & left
-    assert not h.client.in_flight and not h.client._placed
+    assert h.link.num_in_flight == 0

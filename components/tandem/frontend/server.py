@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 from typing import Literal, Protocol
 
-from tandem.frontend.app import FrontendApp
-from tandem.frontend.generate import Pool
+from tandem.frontend.app import FrontendApp, Pool
 from tandem.frontend.preprocess import Preprocessor
 from tandem.config import DRAIN_TIMEOUT_S, FrontendConfig
 
@@ -77,7 +75,7 @@ class UvicornServer:
         self._config = uvicorn.Config(
             app, http="httptools", ws="none", loop="none", lifespan="off", interface="asgi3",
             access_log=False, log_level="warning", server_header=False,
-            timeout_graceful_shutdown=1.0, timeout_keep_alive=30, backlog=4096)
+            timeout_graceful_shutdown=1, timeout_keep_alive=30, backlog=4096)
         self._server: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
         self._port = 0
@@ -190,25 +188,17 @@ def make_server(app: FrontendApp, host: str, port: int, backend: Backend = DEFAU
     raise ValueError(f"unknown HTTP backend {backend!r}")
 
 
-async def serve(config: FrontendConfig, pool: Pool, *, preprocessor: Preprocessor | None = None,
-                stop: asyncio.Event | None = None, backend: Backend = DEFAULT_BACKEND) -> None:
-    """Serve the OpenAI API for `pool` on `config.host:config.port` until `stop` is set, or, when
-    no event is given, until SIGINT/SIGTERM; then drain and return. Run it under `uvloop.run`."""
+async def serve(config: FrontendConfig, pool: Pool, stop: asyncio.Event, *,
+                preprocessor: Preprocessor | None = None,
+                backend: Backend = DEFAULT_BACKEND) -> None:
+    """Serve the OpenAI API for `pool` on `config.host:config.port` until `stop` is set (by
+    tandem.runtime.lifecycle.run, on SIGTERM/SIGINT); then drain and return."""
     app = FrontendApp(config, pool, preprocessor or Preprocessor.from_config(config))
     server = make_server(app, config.host, config.port, backend)
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    if stop is None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
     try:
         await server.start()
         log.info("serving %s on http://%s:%d (%s)", app.model_name, config.host, server.port,
                  backend)
         await stop.wait()
     finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
         await server.stop()

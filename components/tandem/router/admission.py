@@ -1,4 +1,5 @@
-"""AdmissionQueue: where a request waits when no worker (or PD pair) can take it (DESIGN §3).
+"""AdmissionQueue: where a request waits when no worker (or PD pair) can take it (ARCHITECTURE.md,
+"Backpressure").
 
 The queue is bounded (`max_size`) and FIFO; each waiter has a deadline. Placing a request is the
 pool's job (`place`: pick the workers and start the request on them, or None when all are full);
@@ -6,6 +7,7 @@ the queue calls it at once when nobody is waiting, and again for the head of the
 `wake()` says capacity may have freed. A request that finds the queue full, or whose deadline
 passes, gets Unavailable (HTTP 503 with Retry-After) at once. A waiter that is cancelled (its client
 went away) leaves the queue; if it was placed in the same instant, `release` undoes the placement.
+Its metrics (queue length, refusals by reason, wait time) live in the registry it is given.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from tandem.runtime import errors
-from tandem.runtime.metrics import Counter, Gauge, Histogram
+from tandem.runtime.metrics import Registry
 
 R = TypeVar("R")  # what waits: the request
 P = TypeVar("P")  # what placing it yields: the started stream
@@ -36,7 +38,8 @@ class _Waiter(Generic[R, P]):
 
 class AdmissionQueue(Generic[R, P]):
     def __init__(self, place: Callable[[R], P | None], release: Callable[[P], None],
-                 max_size: int, timeout_s: float, retry_after_s: float) -> None:
+                 max_size: int, timeout_s: float, retry_after_s: float,
+                 registry: Registry | None = None) -> None:
         self._place = place
         self._release = release
         self.max_size = max_size
@@ -45,22 +48,19 @@ class AdmissionQueue(Generic[R, P]):
         self._waiters: deque[_Waiter[R, P]] = deque()
         self._waking = False
         self._again = False
-        self.queued = Gauge("tandem_router_queued_requests",
-                            "Requests waiting in the router for a worker.")
-        self.rejected = Counter("tandem_router_rejected_requests_total",
-                                "Requests the router refused with 503, by reason.", ["reason"])
-        self.wait = Histogram("tandem_router_queue_wait_seconds",
-                              "Seconds a request waited in the router before a worker took it.",
-                              buckets=QUEUE_WAIT_BUCKETS)
+        r = registry if registry is not None else Registry()
+        r.callback("tandem_router_queued_requests", "Requests waiting in the router for a worker.",
+                   lambda: [((), len(self._waiters))])
+        self.rejected = r.counter("tandem_router_rejected_requests_total",
+                                  "Requests the router refused with 503, by reason.", ["reason"])
+        self.wait = r.histogram("tandem_router_queue_wait_seconds",
+                                "Seconds a request waited in the router before a worker took it.",
+                                buckets=QUEUE_WAIT_BUCKETS)
         self._full = self.rejected.labels("queue_full")
         self._timeout = self.rejected.labels("queue_timeout")
 
     def __len__(self) -> int:
         return len(self._waiters)
-
-    def render(self) -> list[str]:
-        self.queued.set(len(self._waiters))
-        return [*self.queued.render(), *self.rejected.render(), *self.wait.render()]
 
     async def admit(self, request: R) -> P:
         """Place `request` now, or wait in line for capacity until the deadline (Unavailable)."""

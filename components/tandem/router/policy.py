@@ -21,12 +21,16 @@ from tandem.runtime.wire import Load
 
 
 class Candidate(Protocol):
-    """What a policy reads of a worker (tandem.router.client.WorkerClient)."""
+    """What a policy reads of a worker (tandem.router.link.WorkerLink)."""
 
     address: str
     load: Load
-    pending_prefill_tokens: int
-    active_decode_tokens: int
+
+    @property
+    def pending_prefill_tokens(self) -> int: ...
+
+    @property
+    def active_decode_tokens(self) -> int: ...
 
     @property
     def num_in_flight(self) -> int: ...

@@ -1,171 +1,146 @@
-"""WorkerPool: the frontend's view of every worker, and the routing policy that picks them.
+"""WorkerPool: the frontend's view of every worker, and placement — which worker(s) serve a request.
 
 Workers announce their role in the handshake. With usable prefill and decode workers a request is
-served disaggregated (PDStream: a prefill and a decode worker, a fresh 63-bit room); otherwise by
-one aggregated worker. Within a role the workers that can take the request (usable, under the
-per-worker limits of RouterConfig, enough free pages in their last report) are offered to the
-routing policy (tandem.router.policy). `open()` raises Unavailable (HTTP 503) at once when no
-worker (or pair) is usable; otherwise it returns a RoutedStream, which on entry places the request
-or waits for capacity in the bounded AdmissionQueue (503 when full or past the deadline).
+served disaggregated (a prefill and a decode leg, a fresh 63-bit room); otherwise by one aggregated
+worker. Within a role the workers that can take the request (usable, under the per-worker limits of
+RouterConfig, enough free pages in their last report: tandem.router.accounting) are offered to the
+routing policy (tandem.router.policy). `open()` raises Unavailable (HTTP 503) at once when no worker
+(or pair) is usable; otherwise it returns a RequestHandle (tandem.router.request), which on entry is
+placed at once or waits for capacity in the bounded AdmissionQueue (503 when full or past the
+deadline). The connections themselves are WorkerLinks (tandem.router.link).
+
+Cluster facts come from the workers that can serve: `max_context` is the smallest among the usable
+workers (a request must fit on whichever worker the policy picks; on both legs of a PD request), and
+a policy hashes prompts by the page size of the role it chooses within. The model name is the
+frontend's own (its tokenizer's), not any worker's.
+
+Every metric (per worker, admission) is registered in one Registry and read at scrape time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from tandem.config import RETRY_AFTER_S, RouterConfig
+from tandem.router.accounting import can_take
 from tandem.router.admission import AdmissionQueue
-from tandem.router.client import RequestStream, WorkerClient
-from tandem.router.pd import PDStream, bootstrap_of
+from tandem.router.link import WorkerChannel, WorkerLink
 from tandem.router.policy import make_policy
+from tandem.router.request import RequestHandle
 from tandem.runtime import errors
-from tandem.config import DEFAULT_PAGE_SIZE, RETRY_AFTER_S, RouterConfig
-from tandem.runtime.wire import Delta, Generate, SamplingParams, WorkerInfo
+from tandem.runtime.channel import ZmqChannel
+from tandem.runtime.metrics import Registry
+from tandem.runtime.wire import Bootstrap, SamplingParams
 
-Placed = RequestStream | PDStream
+log = logging.getLogger("tandem.router")
+
+Connect = Callable[[str, str], WorkerChannel]
+"""`connect(address, frontend_id)` -> a channel to that worker."""
 
 
-class RoutedStream:
-    """What `open()` returns: entering it waits for a worker (or pair), then it is that stream."""
-
-    __slots__ = ("rid", "prompt_ids", "sampling", "_pool", "_inner")
-
-    def __init__(self, pool: WorkerPool, rid: str, prompt_ids: list[int],
-                 sampling: SamplingParams) -> None:
-        self.rid = rid
-        self.prompt_ids = prompt_ids
-        self.sampling = sampling
-        self._pool = pool
-        self._inner: Placed | None = None
-
-    @property
-    def placed(self) -> Placed | None:
-        return self._inner
-
-    async def __aenter__(self) -> RoutedStream:
-        inner = await self._pool._admission.admit(self)
-        try:
-            await inner.__aenter__()
-        except BaseException:
-            inner.release()
-            raise
-        self._inner = inner
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._inner is not None:
-            await self._inner.__aexit__(*exc)
-
-    def __aiter__(self) -> Placed:
-        assert self._inner is not None, "enter the stream first"
-        return self._inner
-
-    async def __anext__(self) -> Delta:
-        return await self.__aiter__().__anext__()
+def zmq_connect(address: str, frontend_id: str) -> WorkerChannel:
+    return ZmqChannel.to_worker(address, frontend_id.encode(), log)
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[str] | tuple[str, ...], frontend_id: str | None = None,
-                 router: RouterConfig | None = None) -> None:
+    def __init__(self, addresses: Sequence[str], frontend_id: str | None = None,
+                 router: RouterConfig | None = None, *, connect: Connect = zmq_connect,
+                 registry: Registry | None = None, **link_options: Any) -> None:
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        ident = self.frontend_id.encode()
-        self.clients = [WorkerClient(a, ident) for a in addresses]
+        self.links = [WorkerLink(a, self.frontend_id, connect(a, self.frontend_id),
+                                 **link_options) for a in addresses]
         self.router = router or RouterConfig()
-        self.policy = make_policy(self.router.policy, [c.address for c in self.clients],
+        self.policy = make_policy(self.router.policy, [w.address for w in self.links],
                                   self.router.prefix_cache_blocks)
-        self._admission: AdmissionQueue[RoutedStream, Placed] = AdmissionQueue(
-            self._place, lambda placed: placed.release(), self.router.max_queue,
-            self.router.queue_timeout_s, RETRY_AFTER_S)
-        for c in self.clients:
-            c.on_capacity = self._on_capacity
+        self.registry = registry if registry is not None else Registry()
+        self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
+            self._place, RequestHandle.release, self.router.max_queue,
+            self.router.queue_timeout_s, RETRY_AFTER_S, self.registry)
+        for w in self.links:
+            w.on_capacity = self._on_capacity
+        self._register_metrics(self.registry)
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._next_rid = 0
 
+    @property
+    def clients(self) -> list[WorkerLink]:
+        """The links, in the order of the addresses given."""
+        return self.links
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting in the admission queue."""
+        return len(self._admission)
+
     async def start(self, wait_s: float = 0.0) -> None:
-        for c in self.clients:
-            await c.start()
+        for w in self.links:
+            await w.connect()
         if wait_s > 0:
-            await asyncio.gather(*(c.wait_up(wait_s) for c in self.clients))
+            await asyncio.gather(*(w.wait_up(wait_s) for w in self.links))
 
     async def close(self) -> None:
         self._admission.fail_all(errors.Unavailable("the frontend is shutting down"), "shutdown")
-        await asyncio.gather(*(c.close() for c in self.clients))
+        await asyncio.gather(*(w.close() for w in self.links))
 
     @property
-    def info(self) -> WorkerInfo | None:
-        for c in self.clients:
-            if c.info is not None and c.usable:
-                return c.info
-        for c in self.clients:
-            if c.info is not None:
-                return c.info
-        return None
+    def max_context(self) -> int | None:
+        """The longest prompt + completion every worker that may serve takes: the smallest among
+        usable workers (among those that ever said hello when none is usable); None before any."""
+        known = [w.info.max_context for w in self.links if w.info is not None and w.usable]
+        if not known:
+            known = [w.info.max_context for w in self.links if w.info is not None]
+        return min(known) if known else None
 
     def _usable(self, role: str) -> bool:
-        return any(c.usable and c.info is not None and c.info.role == role for c in self.clients)
+        return any(w.usable and w.info is not None and w.info.role == role for w in self.links)
 
     def ready(self) -> bool:
         """Ready to serve: a usable aggregated worker, or a usable prefill AND decode worker."""
         return self._usable("agg") or (self._usable("prefill") and self._usable("decode"))
 
-    def can_take(self, c: WorkerClient, num_tokens: int) -> bool:
-        """Under the per-worker limits, with enough free pages in its last report for the prompt
-        (a prompt bigger than the whole worker is let through: the worker refuses it itself)."""
-        r = self.router
-        if r.max_inflight_per_worker and len(c.in_flight) >= r.max_inflight_per_worker:
-            return False
-        info = c.info
-        assert info is not None
-        limit = r.max_pending_prefill_tokens_per_worker
-        if limit and info.role != "decode" and c.pending_prefill_tokens \
-                and c.pending_prefill_tokens + num_tokens > limit:
-            return False
-        total = c.load.pages_total
-        need = -(-num_tokens // info.page_size)
-        return not (total and need <= total and c.load.pages_free < need)
+    def _candidates(self, role: str, prompt_ids: list[int]) -> list[WorkerLink]:
+        n, limits = len(prompt_ids), self.router
+        return [w for w in self.links if w.usable and w.info is not None and w.info.role == role
+                and can_take(limits, w.account, w.info, w.load, n)]
 
-    def _choose(self, role: str, prompt_ids: list[int]) -> WorkerClient | None:
-        n = len(prompt_ids)
-        candidates = [c for c in self.clients if c.usable and c.info is not None
-                      and c.info.role == role and self.can_take(c, n)]
-        if not candidates:
-            return None
-        chosen = self.policy.choose(role, candidates, prompt_ids, self._page_size())
-        assert isinstance(chosen, WorkerClient)
-        return chosen
+    def _choose(self, role: str, candidates: list[WorkerLink], prompt_ids: list[int]
+                ) -> tuple[WorkerLink, int]:
+        page_size = candidates[0].info.page_size  # type: ignore[union-attr]
+        chosen = self.policy.choose(role, candidates, prompt_ids, page_size)
+        assert isinstance(chosen, WorkerLink)
+        return chosen, page_size
 
-    def _page_size(self) -> int:
-        info = self.info
-        return info.page_size if info is not None else DEFAULT_PAGE_SIZE
-
-    def _place(self, s: RoutedStream) -> Placed | None:
-        """Start `s` on the workers the policy picks among those that can take it; None if all
+    def _place(self, h: RequestHandle) -> RequestHandle | None:
+        """Start `h` on the workers the policy picks among those that can take it; None if all
         are full. Raises Unavailable when no worker (or pair) is usable at all."""
-        ids, page_size = s.prompt_ids, self._page_size()
-        placed: Placed
+        ids = h.prompt_ids
         if self._usable("prefill") and self._usable("decode"):
-            p, d = self._choose("prefill", ids), self._choose("decode", ids)
-            if p is None or d is None:
+            ps, ds = self._candidates("prefill", ids), self._candidates("decode", ids)
+            if not ps or not ds:
                 return None
-            msg = Generate(s.rid, ids, s.sampling, bootstrap_of(p, secrets.randbits(63)))
-            placed = PDStream(p, d, msg)
-            placed.start()
-            self.policy.served("prefill", p, ids, page_size)
-            self.policy.served("decode", d, ids, page_size)
-            return placed
+            (p, p_page), (d, d_page) = self._choose("prefill", ps, ids), \
+                self._choose("decode", ds, ids)
+            h.start(d, p, bootstrap_of(p, secrets.randbits(63)))
+            self.policy.served("prefill", p, ids, p_page)
+            self.policy.served("decode", d, ids, d_page)
+            return h
         if not self._usable("agg"):
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        agg = self._choose("agg", ids)
-        if agg is None:
+        aggs = self._candidates("agg", ids)
+        if not aggs:
             return None
-        placed = RequestStream(agg, Generate(s.rid, ids, s.sampling))
-        placed.start()
-        self.policy.served("agg", agg, ids, page_size)
-        return placed
+        agg, page = self._choose("agg", aggs, ids)
+        h.start(agg)
+        self.policy.served("agg", agg, ids, page)
+        return h
 
     def _on_capacity(self) -> None:
         if not len(self._admission):
@@ -180,26 +155,26 @@ class WorkerPool:
         self._next_rid += 1
         return f"{self._rid_prefix}-{self._next_rid}"
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RoutedStream:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
         if not self.ready():
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        return RoutedStream(self, self.new_rid(), prompt_ids, sampling)
+        return RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit)
 
-    async def snapshot(self) -> list[dict]:
-        loads = await asyncio.gather(*(c.query_load() for c in self.clients))
+    async def snapshot(self) -> list[dict[str, Any]]:
+        loads = await asyncio.gather(*(w.query_load() for w in self.links))
         out = []
-        for c, load in zip(self.clients, loads):
-            info = c.info
+        for w, load in zip(self.links, loads):
+            info = w.info
             out.append({
                 "name": info.name if info else "",
                 "role": info.role if info else "",
                 "engine": info.engine if info else "",
-                "address": c.address,
-                "state": c.state,
-                "in_flight": len(c.in_flight),
-                "pending_prefill_tokens": c.pending_prefill_tokens,
-                "active_decode_tokens": c.active_decode_tokens,
+                "address": w.address,
+                "state": w.state,
+                "in_flight": w.num_in_flight,
+                "pending_prefill_tokens": w.pending_prefill_tokens,
+                "active_decode_tokens": w.active_decode_tokens,
                 "running": load.running,
                 "waiting": load.waiting,
                 "pages_free": load.pages_free,
@@ -208,36 +183,37 @@ class WorkerPool:
             })
         return out
 
-    def metrics(self) -> str:
-        lines = [
-            *self._admission.render(),
-            "# HELP tandem_worker_up Whether the worker is usable (1) or not (0).",
-            "# TYPE tandem_worker_up gauge",
-        ]
-        for c in self.clients:
-            lines.append(f'tandem_worker_up{{worker="{c.address}"}} {int(c.usable)}')
+    def _register_metrics(self, r: Registry) -> None:
+        links = self.links
+
+        def per_worker(get: Callable[[WorkerLink], float]) -> Callable[[], list[Any]]:
+            return lambda: [((w.address,), get(w)) for w in links]
+
         for name, help_, get in (
+            ("tandem_worker_up", "Whether the worker is usable (1) or not (0).",
+             lambda w: int(w.usable)),
             ("tandem_worker_in_flight_requests", "Requests in flight on the worker.",
-             lambda c: len(c.in_flight)),
+             lambda w: w.num_in_flight),
             ("tandem_worker_pending_prefill_tokens",
              "Prompt tokens sent to the worker whose first delta has not come back.",
-             lambda c: c.pending_prefill_tokens),
+             lambda w: w.pending_prefill_tokens),
             ("tandem_worker_active_decode_tokens",
              "Prompt and generated tokens of the requests decoding on the worker.",
-             lambda c: c.active_decode_tokens),
+             lambda w: w.active_decode_tokens),
             ("tandem_worker_running_requests", "Requests running on the worker (last report).",
-             lambda c: c.load.running),
+             lambda w: w.load.running),
             ("tandem_worker_pages_free", "KV pages free on the worker (last report).",
-             lambda c: c.load.pages_free),
-            ("tandem_worker_pages_total", "KV pages on the worker.", lambda c: c.load.pages_total),
+             lambda w: w.load.pages_free),
+            ("tandem_worker_pages_total", "KV pages on the worker.", lambda w: w.load.pages_total),
             ("tandem_worker_waiting_requests", "Requests waiting on the worker (last report).",
-             lambda c: c.load.waiting),
-            ("tandem_delta_protocol_errors_total", "Deltas refused for a gap or an overlap.",
-             lambda c: c.protocol_errors),
+             lambda w: w.load.waiting),
         ):
-            kind = "counter" if name.endswith("_total") else "gauge"
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for c in self.clients:
-                lines.append(f'{name}{{worker="{c.address}"}} {get(c)}')
-        return "\n".join(lines) + "\n"
+            r.callback(name, help_, per_worker(get), ("worker",))
+        r.callback("tandem_delta_protocol_errors_total", "Deltas refused for a gap or an overlap.",
+                   per_worker(lambda w: w.protocol_errors), ("worker",), kind="counter")
+
+
+def bootstrap_of(p: WorkerLink, room: int) -> Bootstrap:
+    assert p.info is not None and p.info.bootstrap_addr
+    host, _, port = p.info.bootstrap_addr.rpartition(":")
+    return Bootstrap(host, int(port), room)

@@ -1,7 +1,13 @@
-"""Process lifecycle: uvloop, SIGTERM/SIGINT turned into a stop event, and owned background tasks.
+"""Process lifecycle: the one place signals are handled, owned background tasks, and draining.
 
-`run(main)` runs `main(stop)` where `stop` is an asyncio.Event set on the first SIGTERM/SIGINT;
-`main` drains and returns. A second signal exits at once.
+- `run(main)` runs `main(stop)` under uvloop, where `stop` is an asyncio.Event set on the first
+  SIGTERM/SIGINT; `main` drains and returns. A second signal exits at once. A supervised task that
+  dies (below) also sets `stop`, and the process then exits with status 1.
+- `TaskGroup` owns background tasks: `close()` cancels and awaits every one. A `supervised` group
+  treats a task that ends with an exception as fatal: it is logged and the process goes down (under
+  `run`), instead of the service limping on without, say, its receive loop.
+- `drain(tasks, timeout)` gives work in flight `timeout` seconds to finish, then cancels and awaits
+  what is left: the frontend drains its requests with it, and the worker can too.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any
 
 from tandem.runtime.config import GC_THRESHOLDS
@@ -35,6 +41,13 @@ def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
     gc.set_threshold(*thresholds)
 
 
+class _Process:
+    """What `run` knows while the process runs: its stop event, and whether a task crashed."""
+
+    stop: asyncio.Event | None = None
+    crashed = False
+
+
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     try:
         import uvloop
@@ -44,11 +57,13 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         runner = asyncio.Runner()
     with runner:
         runner.run(_with_signals(main))
+    if _Process.crashed:
+        raise SystemExit(1)
 
 
 async def _with_signals(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop = _Process.stop = asyncio.Event()
 
     def on_signal(sig: int) -> None:
         if stop.is_set():
@@ -59,14 +74,45 @@ async def _with_signals(main: Callable[[asyncio.Event], Awaitable[None]]) -> Non
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    await main(stop)
+    try:
+        await main(stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        _Process.stop = None
+
+
+def crash(why: str, exc: BaseException | None = None) -> None:
+    """A part the process cannot live without failed: log it, and stop the process (under `run`:
+    drain, then exit with status 1). Outside `run` (tests) it is only logged."""
+    log.critical("fatal: %s", why, exc_info=exc)
+    _Process.crashed = True
+    if _Process.stop is not None:
+        _Process.stop.set()
+
+
+async def drain(tasks: Collection[asyncio.Future[Any]], timeout: float) -> int:
+    """Wait up to `timeout` seconds for `tasks` to finish, then cancel and await the rest;
+    return how many had to be cancelled. (The set may be live: it is copied once.)"""
+    pending = list(tasks)
+    if pending and timeout > 0:
+        _, left = await asyncio.wait(pending, timeout=timeout)
+        pending = list(left)
+    pending = [t for t in pending if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    return len(pending)
 
 
 class TaskGroup:
-    """Owns background tasks: every task started here is cancelled and awaited by `close()`."""
+    """Owns background tasks: every task started here is cancelled and awaited by `close()`.
+    `supervised`: a task that ends with an exception is fatal (`crash`), not only logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, supervised: bool = False) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.supervised = supervised
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -76,8 +122,15 @@ class TaskGroup:
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        if self.supervised:
+            crash(f"task {task.get_name()} died", exc)
+        else:
+            log.error("task %s failed", task.get_name(), exc_info=exc)
 
     def __len__(self) -> int:
         return len(self._tasks)

@@ -1,5 +1,11 @@
-"""A small Prometheus metrics kit: Counter, Gauge and Histogram with labels, and a Registry that
-renders the text exposition format (version 0.0.4). No prometheus_client dependency.
+"""A small Prometheus metrics kit: Counter, Gauge and Histogram with labels, callback metrics read
+at collect time, and a Registry that renders the text exposition format (version 0.0.4). No
+prometheus_client dependency.
+
+This module owns rendering: nothing else in tandem writes exposition text. A component either
+updates metric objects it registered (`registry.counter(...)`), or registers a callback
+(`registry.callback(...)`) that reads its own state when /metrics is scraped, so state that already
+exists (queue lengths, per-worker counts) is never mirrored into a gauge on the hot path.
 
 Updating a metric is a dict lookup and an add, so it is cheap enough to do once per delta; a labelled
 child is best looked up once (`counter.labels("chat", "200")`) and kept when it is reused.
@@ -9,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 # Latency buckets in seconds, close to vLLM's for TTFT and inter-token latency.
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -169,6 +175,28 @@ class Histogram(_Metric):
         return lines
 
 
+Samples = Iterable[tuple[Sequence[str], float]]
+"""What a callback metric reports when collected: (label values, value) pairs."""
+
+
+class Callback(_Metric):
+    """A gauge or counter whose samples a callback reads at collect time."""
+
+    def __init__(self, name: str, help: str, collect: Callable[[], Samples],
+                 labelnames: Sequence[str] = (), kind: str = "gauge"):
+        if kind not in ("gauge", "counter"):
+            raise ValueError(f"a callback metric is a gauge or a counter, not {kind!r}")
+        super().__init__(name, help, labelnames)
+        self.kind = kind
+        self.collect = collect
+
+    def render(self) -> list[str]:
+        lines = self._header()
+        for values, value in self.collect():
+            lines.append(f"{self.name}{_labels_text(self.labelnames, values)} {_num(value)}")
+        return lines
+
+
 class Registry:
     """Owns a set of metrics and renders them in registration order."""
 
@@ -179,6 +207,13 @@ class Registry:
         if metric.name in self._metrics:
             raise ValueError(f"metric {metric.name} registered twice")
         self._metrics[metric.name] = metric
+
+    def callback(self, name: str, help: str, collect: Callable[[], Samples],
+                 labelnames: Sequence[str] = (), kind: str = "gauge") -> Callback:
+        """A metric whose samples `collect()` returns when the registry renders."""
+        c = Callback(name, help, collect, labelnames, kind)
+        self._add(c)
+        return c
 
     def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
         c = Counter(name, help, labelnames)

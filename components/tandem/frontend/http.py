@@ -1,0 +1,177 @@
+"""The HTTP side of one exchange, without any framework: the ASGI types, reading a request body,
+the `ResponseWriter`, the disconnect watcher, and the one table that turns an error a worker
+reported (`wire.ErrorKind`) into an HTTP status and OpenAI error type.
+
+Errors raised inside the frontend are `TandemError`s that carry their status already; a worker's
+error arrives as a kind on its last delta and only becomes an HTTP error here (`error_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+
+import msgspec
+
+from tandem.runtime import errors
+from tandem.runtime.wire import Delta, ErrorKind
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = b"application/json"
+_encode = msgspec.json.Encoder().encode
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected (a write failed, or the server said `http.disconnect`)."""
+
+
+class PayloadTooLarge(errors.TandemError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(errors.TandemError):
+    status = 405
+    type = "invalid_request_error"
+
+
+# What the client sees for each way a worker can fail a request: (status, type, code).
+# DUPLICATE is a request id already in flight on the worker: the frontend makes the ids, so it
+# is the server's fault, not the client's (500).
+_KINDS: dict[ErrorKind, tuple[int, str, str | None]] = {
+    ErrorKind.BAD_REQUEST: (400, "invalid_request_error", None),
+    ErrorKind.DUPLICATE: (500, "internal_error", "duplicate_request_id"),
+    ErrorKind.DRAINING: (503, "service_unavailable", "service_unavailable"),
+    ErrorKind.FRONTEND_SILENT: (503, "service_unavailable", "service_unavailable"),
+    ErrorKind.KV_TRANSFER: (502, "kv_transfer_error", "kv_transfer_failed"),
+    ErrorKind.ENGINE: (500, "engine_error", None),
+}
+
+
+def error_of(d: Delta) -> errors.TandemError:
+    """The HTTP error for a delta that ended its request with finish_reason "error"."""
+    status, type_, code = _KINDS.get(d.error_kind or ErrorKind.ENGINE, _KINDS[ErrorKind.ENGINE])
+    err = errors.TandemError(d.error or "The engine failed this request.",
+                             retry_after=1.0 if status == 503 else None)
+    err.status, err.type, err.code = status, type_, code
+    return err
+
+
+async def read_body(receive: Receive, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone()
+        data = msg.get("body", b"")
+        size += len(data)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"Request body is larger than {max_bytes} bytes.")
+        chunks.append(data)
+        if not msg.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ResponseWriter:
+    """The response side of one HTTP exchange. A failed write marks the client gone and raises
+    `ClientGone`; `status` is what was sent (0 until the response starts)."""
+
+    __slots__ = ("_send", "status", "finished", "gone")
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.status = 0
+        self.finished = False
+        self.gone = False
+
+    @property
+    def started(self) -> bool:
+        return self.status != 0
+
+    async def _emit(self, message: Message) -> None:
+        if self.gone:
+            raise ClientGone()
+        try:
+            await self._send(message)
+        except Exception as e:  # the server's way to say the peer is gone varies by server
+            self.gone = True
+            raise ClientGone() from e
+
+    async def start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        await self._emit({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = True) -> None:
+        if not more:
+            self.finished = True
+        await self._emit({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def reply(self, status: int, body: bytes, content_type: bytes,
+                    headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        await self.start(status, [(b"content-type", content_type),
+                                  (b"content-length", str(len(body)).encode()), *headers])
+        await self.body(body, more=False)
+
+    async def error(self, err: errors.TandemError) -> None:
+        """The error's status and OpenAI body; `Retry-After` when the error says when to retry."""
+        headers: list[tuple[bytes, bytes]] = []
+        if err.retry_after is not None or isinstance(err, errors.Unavailable):
+            seconds = max(1, math.ceil(err.retry_after or 1))
+            headers.append((b"retry-after", str(seconds).encode()))
+        await self.reply(err.status, _encode(err.body()), JSON, headers)
+
+
+class watch_disconnect:
+    """`async with watch_disconnect(receive, writer):` — when the client sends `http.disconnect`
+    before the response is finished, the block is cancelled (and `writer.gone` set); the
+    cancellation ends at the block, as `asyncio.timeout`'s does, so the caller carries on after it.
+    The watcher task is cancelled and awaited on the way out."""
+
+    __slots__ = ("_receive", "_writer", "_task", "_watcher", "_fired")
+
+    def __init__(self, receive: Receive, writer: ResponseWriter) -> None:
+        self._receive = receive
+        self._writer = writer
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._fired = False
+
+    async def __aenter__(self) -> watch_disconnect:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._wait())
+        return self
+
+    async def _wait(self) -> None:
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                break
+        if not self._writer.finished and self._task is not None:
+            self._writer.gone = True
+            self._fired = True
+            self._task.cancel()
+
+    @property
+    def fired(self) -> bool:
+        """The client went away and the block was cancelled for it."""
+        return self._fired
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
+        w = self._watcher
+        if w is not None and not w.done():
+            w.cancel()
+            try:
+                await asyncio.wait((w,))
+            except asyncio.CancelledError:
+                if not self._fired:  # someone else's cancellation: theirs to handle
+                    raise
+        if self._fired and self._task is not None and self._task.uncancel() == 0:
+            return exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        return False

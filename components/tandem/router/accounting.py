@@ -1,0 +1,77 @@
+"""Backpressure accounting for one worker, and the limits placement checks against it. Pure: no I/O,
+no clock; the worker link calls it where requests start, deltas arrive and requests end
+(ARCHITECTURE.md, "Backpressure").
+
+- `pending_prefill_tokens`: prompt tokens sent to a prefill or agg worker whose first delta has not
+  come back (its prefill is not done);
+- `active_decode_tokens`: prompt plus generated tokens of the requests decoding on an agg or decode
+  worker;
+- `num_in_flight`: requests placed on the worker and not ended.
+
+Each request leg carries its own share (`Share`), so ending it subtracts exactly what it added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.config import RouterConfig
+from tandem.runtime.wire import Load, WorkerInfo
+
+
+class Share:
+    """What one request leg counts on its worker."""
+
+    __slots__ = ("prefill_tokens", "decode_tokens")
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+
+
+@dataclass(slots=True)
+class WorkerAccount:
+    num_in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    active_decode_tokens: int = 0
+
+    def open(self, share: Share, role: str, num_prompt_tokens: int) -> None:
+        """A request leg was placed on this worker (of `role`)."""
+        self.num_in_flight += 1
+        if role != "decode":
+            share.prefill_tokens = num_prompt_tokens
+            self.pending_prefill_tokens += num_prompt_tokens
+        if role != "prefill":
+            share.decode_tokens = num_prompt_tokens
+            self.active_decode_tokens += num_prompt_tokens
+
+    def progress(self, share: Share, num_tokens: int) -> None:
+        """A delta of `num_tokens` arrived for the leg: its prefill is done; it decodes on."""
+        if share.prefill_tokens:
+            self.pending_prefill_tokens -= share.prefill_tokens
+            share.prefill_tokens = 0
+        if share.decode_tokens:
+            share.decode_tokens += num_tokens
+            self.active_decode_tokens += num_tokens
+
+    def close(self, share: Share) -> None:
+        """The leg ended (finished, aborted or failed). Safe once per `open`."""
+        self.num_in_flight -= 1
+        self.pending_prefill_tokens -= share.prefill_tokens
+        self.active_decode_tokens -= share.decode_tokens
+        share.prefill_tokens = share.decode_tokens = 0
+
+
+def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
+             num_tokens: int) -> bool:
+    """Under the per-worker limits, with enough free pages in its last report for the prompt (a
+    prompt bigger than the whole worker is let through: the worker refuses it itself)."""
+    if limits.max_inflight_per_worker and account.num_in_flight >= limits.max_inflight_per_worker:
+        return False
+    limit = limits.max_pending_prefill_tokens_per_worker
+    pending = account.pending_prefill_tokens
+    if limit and info.role != "decode" and pending and pending + num_tokens > limit:
+        return False
+    total = load.pages_total
+    need = -(-num_tokens // info.page_size)
+    return not (total and need <= total and load.pages_free < need)

@@ -1,0 +1,287 @@
+"""WorkerLink: the frontend's connection to one worker, as a state machine over a `Channel`.
+
+The link owns the protocol with one worker and nothing else:
+- the handshake: a Hello every heartbeat until the worker answers; a refused one makes the link
+  `incompatible` for good;
+- liveness: a worker silent past the heartbeat deadline, or whose connection drops (the channel's
+  `disconnects()`), is marked down at once and every request on it fails with WorkerLost; it comes
+  back up when it answers a Hello again;
+- requests: the legs placed on it (tandem.router.request), routed their deltas; the Generates of the
+  legs placed during one event loop pass leave as ONE `Generates` message, and a leg placed and
+  ended within that pass never leaves at all;
+- credit: after the deltas of each `Deltas` message were handed to their requests, one `Credit` per
+  loop pass tells the worker how many messages it may send on (its outbox window);
+- accounting (tandem.router.accounting): what each leg adds to the worker's counts;
+- load: the last load report, and `query_load()` with a deadline.
+
+Inputs are plain calls (`on_message`, `on_disconnected`, `tick`, `start`, `end`), time comes from an
+injected `clock`, and "later in this loop pass" from an injected `defer`, so tests drive the link
+through a MemoryChannel without sockets or sleeps. `connect()` starts the three tasks that feed it
+from the channel (receive, heartbeat, disconnects), supervised: if one dies, the process goes down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from tandem.router.accounting import WorkerAccount
+from tandem.router.request import Leg
+from tandem.runtime import errors, wire
+from tandem.runtime.channel import Channel, ChannelFull
+from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
+from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.wire import (Abort, Credit, Deltas, Generate, Generates, Hello, HelloReply,
+                                 Load, LoadQuery, LoadReport, WorkerInfo)
+
+log = logging.getLogger("tandem.router")
+
+WorkerChannel = Channel[wire._Tagged, wire.ToFrontend]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _call_soon(callback: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_soon(callback)
+
+
+class WorkerLink:
+    def __init__(self, address: str, frontend_id: str, channel: WorkerChannel, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 defer: Callable[[Callable[[], None]], None] = _call_soon,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_deadline_s: float = HEARTBEAT_DEADLINE_S,
+                 load_query_timeout_s: float = LOAD_QUERY_TIMEOUT_S) -> None:
+        self.address = address
+        self.frontend_id = frontend_id
+        self.channel = channel
+        self.clock = clock
+        self.defer = defer
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_deadline_s = heartbeat_deadline_s
+        self.load_query_timeout_s = load_query_timeout_s
+        self.info: WorkerInfo | None = None
+        self.state = "connecting"  # connecting | up | down | incompatible
+        self.error = ""
+        self.load = Load()
+        self.legs: dict[str, Leg] = {}
+        self.account = WorkerAccount()
+        self.on_capacity: Callable[[], None] = _nothing
+        self.protocol_errors = 0  # deltas refused for a gap or an overlap
+        self.last_seen = 0.0
+        self._placed: dict[str, Generate] = {}  # placed in this loop pass, not yet sent
+        self._credit = 0  # Deltas messages handed to their requests, not yet credited back
+        self._seq = itertools.count(1)
+        self._queries: dict[int, asyncio.Future[Load]] = {}
+        self._up = asyncio.Event()
+        self._tasks = TaskGroup(supervised=True)
+
+    # --- what a routing policy reads (tandem.router.policy.Candidate) ----------------------------
+    @property
+    def usable(self) -> bool:
+        return self.state == "up"
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.account.num_in_flight
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return self.account.pending_prefill_tokens
+
+    @property
+    def active_decode_tokens(self) -> int:
+        return self.account.active_decode_tokens
+
+    # --- running ----------------------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Start feeding the link from its channel (and saying Hello)."""
+        self._tasks.spawn(self._receive(), name=f"recv {self.address}")
+        self._tasks.spawn(self._heartbeat(), name=f"heartbeat {self.address}")
+        self._tasks.spawn(self._watch(), name=f"disconnects {self.address}")
+
+    async def wait_up(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        self._fail_all(errors.Unavailable("the frontend is shutting down"))
+        await self._tasks.close()
+        self.channel.close()
+
+    async def _receive(self) -> None:
+        async for msg in self.channel:
+            self.on_message(msg)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.tick()
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _watch(self) -> None:
+        async for _ in self.channel.disconnects():
+            self.on_disconnected()
+
+    # --- inputs -----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One heartbeat: Hello until the handshake succeeds; then a load query, or down when the
+        worker has been silent past the deadline."""
+        if self.state == "up":
+            now = self.clock()
+            if self.channel.unread():  # its messages wait for us: we are behind, it is not silent
+                self.last_seen = now
+            if now - self.last_seen > self.heartbeat_deadline_s:
+                self._mark_down(f"silent for over {self.heartbeat_deadline_s:g}s")
+            else:
+                self._send_quietly(LoadQuery(0))
+        if self.state in ("connecting", "down"):
+            self._send_quietly(Hello(wire.PROTOCOL_VERSION, self.frontend_id))
+
+    def on_message(self, msg: wire.ToFrontend) -> None:
+        self.last_seen = self.clock()
+        if isinstance(msg, Deltas):
+            self.on_deltas(msg)
+        elif isinstance(msg, LoadReport):
+            self.on_load(msg)
+        elif isinstance(msg, HelloReply):
+            self.on_hello(msg)
+
+    def on_deltas(self, msg: Deltas) -> None:
+        """Route each delta to its leg and account for it: the one loop over a step's deltas."""
+        if msg.load is not None:
+            self.load = msg.load
+        legs, account = self.legs, self.account
+        for d in msg.items:
+            leg = legs.get(d.rid)
+            if leg is None:
+                continue  # ended here already (aborted; its last deltas were in flight)
+            account.progress(leg, len(d.token_ids))
+            if leg.on_delta(d):  # its last: the worker ended it, nothing to abort
+                del legs[d.rid]
+                account.close(leg)
+        if not self._credit:  # once per loop pass, after the requests took these deltas
+            self.defer(self._give_credit)
+        self._credit += 1
+        self.on_capacity()
+
+    def on_load(self, msg: LoadReport) -> None:
+        self.load = msg.load
+        fut = self._queries.get(msg.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.load)
+        self.on_capacity()
+
+    def on_hello(self, msg: HelloReply) -> None:
+        if not msg.ok or msg.info is None:
+            self.state, self.error = "incompatible", msg.error
+            log.error("worker %s refused the handshake: %s", self.address, msg.error)
+            return
+        if self.state != "up":
+            log.info("worker %s is up: %s %s", self.address, msg.info.role, msg.info.engine)
+        self.info = msg.info
+        self.state = "up"
+        self._up.set()
+        self.on_capacity()
+
+    def on_disconnected(self) -> None:
+        """The connection dropped: the worker process is gone or restarted (forgetting its
+        requests); fail them now rather than after the heartbeat deadline."""
+        self._mark_down("connection closed")
+
+    # --- requests ---------------------------------------------------------------------------------
+    def start(self, leg: Leg, msg: Generate) -> None:
+        """Place a leg here; its Generate leaves with the others of this loop pass."""
+        if not self.usable:
+            raise errors.Unavailable(f"worker {self.address} is {self.state}", retry_after=1.0)
+        if not self._placed:
+            self.defer(self.flush)
+        self._placed[leg.rid] = msg
+        self.legs[leg.rid] = leg
+        role = self.info.role if self.info is not None else "agg"
+        self.account.open(leg, role, len(msg.prompt_ids))
+
+    def end(self, leg: Leg, abort: bool) -> None:
+        """The leg leaves (its request was left, or failed elsewhere). Safe twice."""
+        if self.legs.get(leg.rid) is not leg:
+            return
+        del self.legs[leg.rid]
+        self.account.close(leg)
+        if self._placed.pop(leg.rid, None) is not None:
+            abort = False  # it never left: nothing to abort
+        if abort and self.state == "up":
+            self._send_quietly(Abort([leg.rid]))
+        self.on_capacity()
+
+    def flush(self) -> None:
+        """Send what was placed in this loop pass, as one message."""
+        placed, self._placed = self._placed, {}
+        if not placed:
+            return
+        try:
+            self._send(Generates(list(placed.values())))
+        except errors.Unavailable as e:  # past the high-water mark: the worker is not reading
+            for rid in placed:
+                leg = self.legs.pop(rid, None)
+                if leg is not None:
+                    self.account.close(leg)
+                    leg.on_lost(e)
+            self.on_capacity()
+
+    async def query_load(self) -> Load:
+        """Ask the worker for its load now (with a deadline); the last known on timeout."""
+        if not self.usable:
+            return self.load
+        seq = next(self._seq)
+        fut: asyncio.Future[Load] = asyncio.get_running_loop().create_future()
+        self._queries[seq] = fut
+        try:
+            self._send(LoadQuery(seq))
+            return await asyncio.wait_for(fut, self.load_query_timeout_s)
+        except (asyncio.TimeoutError, errors.Unavailable):
+            return self.load
+        finally:
+            self._queries.pop(seq, None)
+
+    # --- internals --------------------------------------------------------------------------------
+    def _send(self, msg: wire._Tagged) -> None:
+        try:
+            self.channel.send_nowait(msg)
+        except ChannelFull:
+            raise errors.Unavailable(f"worker {self.address} is not keeping up",
+                                     retry_after=1.0) from None
+
+    def _send_quietly(self, msg: wire._Tagged) -> None:
+        if self.channel.closed:  # (the frontend is stopping)
+            return
+        try:
+            self._send(msg)
+        except errors.Unavailable:
+            pass
+
+    def _give_credit(self) -> None:
+        n, self._credit = self._credit, 0
+        self._send_quietly(Credit(n))
+
+    def _fail_all(self, err: errors.TandemError) -> None:
+        self._placed.clear()
+        legs, self.legs = self.legs, {}
+        for leg in legs.values():
+            self.account.close(leg)
+            leg.on_lost(err)
+        self.on_capacity()
+
+    def _mark_down(self, why: str) -> None:
+        if self.state == "up":
+            log.warning("worker %s is down: %s", self.address, why)
+        if self.state != "incompatible":
+            self.state = "down"
+        self._up.clear()
+        self._fail_all(errors.WorkerLost(f"worker {self.address} stopped answering ({why})"))

@@ -1,0 +1,111 @@
+"""DeltaCollector: the one place a request's deltas wait between the worker link and the response.
+
+One collector per request, one reader. `put(delta)` keeps at most ONE pending delta: when the reader
+lags (a slow HTTP client), a new delta is merged into the pending one (tokens appended; the finish,
+usage and error of the newest win), so a slow client never grows a queue and the reader writes one
+fuller chunk instead of many. `fail(err)` ends the request with an error that the reader sees after
+the pending delta (text that arrived before a failure is never lost). The reader either awaits
+`get()` or, to multiplex several collectors in one loop, registers a `listen` callback, told once
+each time the collector turns non-empty, and calls `take()`.
+
+Offsets are not checked here: the request handle checks them before `put` (ARCHITECTURE.md,
+"The path of a request").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from tandem.runtime.wire import Delta
+
+
+class DeltaCollector:
+    __slots__ = ("_delta", "_owned", "_failure", "_signalled", "_waiter", "_listener")
+
+    def __init__(self) -> None:
+        self._delta: Delta | None = None
+        self._owned = False  # _delta is a copy made by a merge (safe to extend in place)
+        self._failure: BaseException | None = None
+        self._signalled = False  # the reader was told there is something, and has not taken it
+        self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """`take()` would return a delta or raise now."""
+        return self._delta is not None or self._failure is not None
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def put(self, delta: Delta) -> None:
+        p = self._delta
+        if p is None:
+            self._delta = delta
+            self._owned = False
+            if not self._signalled:
+                self._signal()
+            return
+        if not self._owned:  # first merge: copy, so the caller's delta is never mutated
+            p = self._delta = Delta(p.rid, p.offset, p.token_ids + delta.token_ids,
+                                    delta.finish_reason, delta.usage or p.usage, delta.error,
+                                    delta.error_kind)
+            self._owned = True
+            return
+        p.token_ids += delta.token_ids
+        p.finish_reason = delta.finish_reason
+        if delta.usage is not None:
+            p.usage = delta.usage
+        p.error = delta.error
+        p.error_kind = delta.error_kind
+
+    def fail(self, err: BaseException) -> None:
+        """End the request with `err` (the first failure wins), after what is pending."""
+        if self._failure is None:
+            self._failure = err
+            if not self._signalled:
+                self._signal()
+
+    def take(self) -> Delta | None:
+        """The pending delta (merged), or None; with nothing pending, raise the failure."""
+        self._signalled = False
+        d = self._delta
+        if d is not None:
+            self._delta = None
+            if self._failure is not None:
+                self._signal()  # the failure is still to be seen
+            return d
+        if self._failure is not None:
+            raise self._failure
+        return None
+
+    async def get(self) -> Delta:
+        """Wait for the next (merged) delta; raise the failure once nothing is pending."""
+        while True:
+            d = self.take()
+            if d is not None:
+                return d
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def listen(self, on_ready: Callable[[], None]) -> None:
+        """Call `on_ready()` (instead of waking `get`) each time this collector turns ready;
+        at once if it already is."""
+        self._listener = on_ready
+        if self.ready:  # (a signal before now went to no one)
+            self._signal()
+
+    def _signal(self) -> None:
+        self._signalled = True
+        listener = self._listener
+        if listener is not None:
+            listener()
+            return
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
