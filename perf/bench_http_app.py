@@ -1,6 +1,7 @@
 """The `--suite app` servers of bench_http_servers.py: tandem's real FrontendApp over an in-process
-fake pool (one-token deltas, an event-loop yield between them, no worker), served by tandem's
-uvicorn adapter or by granian's embedded server in the same loop."""
+fake pool (one-token deltas into each request's real DeltaCollector, the next one a loop pass after
+the last was taken; no worker), served by tandem's uvicorn adapter or by granian's embedded server
+in the same loop."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def _frontend_app() -> Any:
     from tandem.frontend.app import FrontendApp
     from tandem.frontend.preprocess import Preprocessor
     from tandem.config import FrontendConfig
-    from tandem.runtime.wire import Delta, WorkerInfo
+    from tandem.runtime.collector import DeltaCollector
+    from tandem.runtime.metrics import Registry
+    from tandem.runtime.wire import Delta
 
     model = Path(tempfile.mkdtemp(prefix="bench-model-"))
     tok = Tokenizer(models.BPE())  # byte-level BPE, as the tiny model's
@@ -28,33 +31,42 @@ def _frontend_app() -> Any:
         vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(model / "tokenizer.json"))
     token = tok.token_to_id("a")
+    assert token is not None
 
-    class Stream:
-        def __init__(self, rid: str, n: int):
+    class Collector(DeltaCollector):
+        """Hands out one-token deltas: the next one a loop pass after the last was taken."""
+
+        __slots__ = ("rid", "n", "i")
+
+        def __init__(self, rid: str, n: int) -> None:
+            super().__init__()
             self.rid, self.n, self.i = rid, n, 0
 
-        async def __aenter__(self) -> Stream:
+        def take(self) -> Delta | None:
+            d = super().take()
+            if d is not None and self.i < self.n:
+                asyncio.get_running_loop().call_soon(self.next)
+            return d
+
+        def next(self) -> None:
+            self.i += 1
+            self.put(Delta(self.rid, self.i - 1, [token], "length" if self.i == self.n else None))
+
+    class Handle:
+        def __init__(self, rid: str, n: int):
+            self.rid = rid
+            self.collector = Collector(rid, n)
+
+        async def __aenter__(self) -> Handle:
+            self.collector.next()
             return self
 
         async def __aexit__(self, *exc: object) -> None:
             return None
 
-        def __aiter__(self) -> Stream:
-            return self
-
-        def waiting(self) -> int:
-            return 0  # every delta after the first comes one loop pass later
-
-        async def __anext__(self) -> Delta:
-            if self.i >= self.n:
-                raise StopAsyncIteration
-            if self.i:
-                await asyncio.sleep(0)
-            self.i += 1
-            return Delta(self.rid, self.i - 1, [token], "length" if self.i == self.n else None)
-
     class Pool:
-        info = WorkerInfo("bench", "agg", "fake", "bench", 16, 1 << 20, 1 << 20)
+        registry = Registry()
+        max_context = 1 << 20
         n = 0
 
         def ready(self) -> bool:
@@ -63,12 +75,9 @@ def _frontend_app() -> Any:
         async def snapshot(self) -> list[dict[str, Any]]:
             return []
 
-        def open(self, prompt_ids: list[int], sampling: Any) -> Stream:
+        def open(self, prompt_ids: list[int], sampling: Any) -> Handle:
             self.n += 1
-            return Stream(str(self.n), sampling.max_tokens)
-
-        def metrics(self) -> str:
-            return ""
+            return Handle(str(self.n), sampling.max_tokens)
 
     config = FrontendConfig(model=str(model), served_model_name="bench")
     return FrontendApp(config, Pool(), Preprocessor(model, "bench"))  # type: ignore[arg-type]

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from tandem.frontend import sse
 from tandem.frontend.preprocess import Preprocessor
+from tandem.frontend.respond import ChoiceState
 from tandem.runtime import errors
-from tandem.runtime.wire import Delta, SamplingParams
+from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
 from tests.fakes import FakePool, Hang, Item, deltas, write_model_dir
 from tests.unit.test_frontend_app import COMPLETIONS, CHAT, client, events, make_app
 
@@ -191,3 +193,44 @@ async def test_client_gone_cancels_and_aborts_every_choice(pre: Preprocessor) ->
     assert app.num_in_flight == 0
     assert 'tandem_request_errors_total{type="client_disconnected"} 1' in \
         app.metrics.registry.render()
+
+
+# --- one choice's state, without any I/O ---------------------------------------------------------
+def chunks_of(data: bytes) -> list[tuple[str, str | None]]:
+    if not data:
+        return []
+    return [(c["text"], c["finish_reason"]) for e in events(data.decode()) if isinstance(e, dict)
+            for c in e["choices"]]
+
+
+def test_choice_state_first_text_at_once_then_every_interval_then_the_finish(
+        pre: Preprocessor) -> None:
+    toks = pre.tokenizer.encode(" a b c d e", add_special_tokens=False).ids
+    enc = sse.ChunkEncoder("completion", "cmpl-x", 1, "tiny")
+    st = ChoiceState(pre.detokenizers.new(), enc, 2)
+    out = [chunks_of(st.feed(Delta("r", i, [t], "length" if i == len(toks) - 1 else None)))
+           for i, t in enumerate(toks)]
+    want = [1] + [int(i % 2 == 0) for i in range(1, len(toks) - 1)] + [1]
+    assert [len(o) for o in out] == want
+    assert "".join(t for o in out for t, _ in o) == " a b c d e"
+    assert out[-1][-1][1] == "length" and st.finish == "length"
+    assert st.num_tokens == len(toks) and st.num_chunks == sum(map(len, out))
+
+
+def test_choice_state_stop_string_error_and_flush(pre: Preprocessor) -> None:
+    toks = pre.tokenizer.encode("Hi there STOP more", add_special_tokens=False).ids
+    st = ChoiceState(pre.detokenizers.new(["STOP"]), None, 1)  # aggregated: nothing to write
+    for i, t in enumerate(toks):
+        assert st.feed(Delta("r", i, [t])) == b""
+        if st.finish is not None:
+            break
+    assert (st.text, st.finish) == ("Hi there ", "stop")
+    enc = sse.ChunkEncoder("completion", "cmpl-x", 1, "tiny")
+    st = ChoiceState(pre.detokenizers.new(), enc, 100)
+    first = pre.tokenizer.decode(toks[:1])
+    assert chunks_of(st.feed(Delta("r", 0, toks[:1]))) == [(first, None)]  # the first at once
+    assert st.feed(Delta("r", 1, toks[1:3])) == b""  # held by the interval
+    with pytest.raises(errors.TandemError) as e:
+        st.feed(Delta("r", 3, [], "error", error="boom", error_kind=ErrorKind.KV_TRANSFER))
+    assert e.value.status == 502 and st.finish is None
+    assert chunks_of(st.flush()) == [(pre.tokenizer.decode(toks[1:3]), None)]  # then the error

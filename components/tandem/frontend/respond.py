@@ -177,13 +177,6 @@ class _Ready:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-
 
 async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                   m: FrontendMetrics) -> None:
@@ -209,24 +202,30 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
                 entered.append(h)
             for i, h in enumerate(handles):
                 h.collector.listen(partial(ready.add, i))
+            # The hot loop: names bound once, no allocation a pass does not need.
+            queue, takes = ready.queue, [h.collector.take for h in handles]
+            loop, monotonic, observe = asyncio.get_running_loop(), time.monotonic, itl.observe
+            to_start = job.stream
             while left:
-                if not ready.queue:
-                    await ready.wait()
-                while ready.queue:
-                    i = ready.queue.popleft()
+                if not queue:
+                    ready.waiter = waiter = loop.create_future()
+                    await waiter
+                while queue:
+                    i = queue.popleft()
                     st = states[i]
-                    d = handles[i].collector.take()
+                    d = takes[i]()
                     if d is None or st.finish is not None:
                         continue  # (deltas after a stop string: the request is being left)
-                    now = time.monotonic()
+                    now = monotonic()
                     if last[i]:
-                        itl.observe(now - last[i])
+                        observe(now - last[i])
                     elif not first_at:
                         first_at = now
                         m.ttft.observe(now - job.t0)
                     last[i] = now
                     data = st.feed(d)  # (an error delta raises: the status is still free)
-                    if job.stream and not w.started:
+                    if to_start:
+                        to_start = False
                         await w.start(200, sse.HEADERS)
                     if data:
                         out.append(data)
@@ -234,7 +233,7 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
                         left -= 1
                         await handles[i].__aexit__(None, None, None)  # a stop string: abort
                 if left and out:
-                    data = b"".join(out)
+                    data = out[0] if len(out) == 1 else b"".join(out)
                     out.clear()
                     await w.body(data)
         except errors.TandemError as e:
