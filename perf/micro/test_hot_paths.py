@@ -76,7 +76,7 @@ def test_protocol_encode_deltas_256(benchmark):
 
 def test_protocol_decode_deltas_256(benchmark):
     t, payload = P.encode(_deltas())
-    msg = benchmark(P.decode, t, payload)
+    msg = benchmark(P.TO_FRONTEND.decode, t, payload)
     assert isinstance(msg, P.Deltas) and len(msg.items) == BATCH
 
 
@@ -104,10 +104,9 @@ def test_detokenizer_step_byte_level(benchmark, tokenizer_dir):
 
 
 def test_mock_engine_256_streams_of_64(benchmark, tmp_path):
-    """The mock engine (zero costs) driving 256 concurrent requests of 64 tokens, each consumed as
-    the worker server does (async for + DeltaMaker): one call = 16384 tokens."""
+    """The mock engine (zero costs) driving 256 concurrent requests of 64 tokens, each step's
+    outputs handed to one sink that makes deltas, as the worker does: one call = 16384 tokens."""
     import asyncio
-    import contextlib
     import json
 
     from tandem.engines.base import EngineRequest
@@ -117,19 +116,32 @@ def test_mock_engine_256_streams_of_64(benchmark, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"vocab_size": 500, "max_position_embeddings": 256, "eos_token_id": 2}))
 
-    async def consume(eng: MockEngine, i: int) -> int:
-        maker = DeltaMaker(f"r{i}", eng.output_mode)
-        gen = eng.generate(EngineRequest(f"r{i}", [1, 2, 3, i], SamplingParams(max_tokens=64)))
-        async with contextlib.aclosing(gen):
-            async for out in gen:
+    class Sink:
+        def __init__(self, mode: str) -> None:
+            self.makers: dict[str, DeltaMaker] = {}
+            self.mode = mode
+            self.left = 256
+            self.done = asyncio.get_running_loop().create_future()
+
+        def on_step(self, outputs: list[EngineOutput]) -> None:
+            for out in outputs:
+                maker = self.makers.setdefault(out.rid, DeltaMaker(out.rid, self.mode))  # type: ignore[arg-type]
                 maker.make(out)
-        return maker.sent
+                if out.finish_reason is not None:
+                    self.left -= 1
+            if not self.left and not self.done.done():
+                self.done.set_result(None)
 
     async def run() -> int:
         eng = MockEngine(str(tmp_path), max_batch=256)
         await eng.start()
         try:
-            return sum(await asyncio.gather(*(consume(eng, i) for i in range(256))))
+            sink = Sink(eng.output_mode)
+            for i in range(256):
+                eng.submit(EngineRequest(f"r{i}", [1, 2, 3, i], SamplingParams(max_tokens=64)),
+                           sink)
+            await sink.done
+            return sum(m.sent for m in sink.makers.values())
         finally:
             await eng.shutdown()
 
