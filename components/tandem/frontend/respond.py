@@ -16,7 +16,8 @@ had buffered (no choice is shown a finish it did not reach), one `data: {"error"
 once (its request aborted on the worker). TTFT, inter-token latency, stream chunks, tokens and
 errors are recorded here, the same way for every response.
 
-Usage counts what the workers produced: `completion_tokens` is every token received by every
+The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
+produced: `completion_tokens` is every token received by every
 choice, including those a stop string cut from the text; `prompt_tokens` counts each prompt once.
 """
 

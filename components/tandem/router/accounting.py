@@ -1,6 +1,6 @@
 """Backpressure accounting for one worker, and the limits placement checks against it. Pure: no I/O,
 no clock; the worker link calls it where requests start, deltas arrive and requests end
-(ARCHITECTURE.md, "Backpressure").
+(ARCHITECTURE.md, "Backpressure accounting").
 
 - `pending_prefill_tokens`: prompt tokens sent to a prefill or agg worker whose first delta has not
   come back (its prefill is not done);

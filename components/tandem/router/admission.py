@@ -1,5 +1,5 @@
 """AdmissionQueue: where a request waits when no worker (or PD pair) can take it (ARCHITECTURE.md,
-"Backpressure").
+"Backpressure accounting").
 
 The queue is bounded (`max_size`) and FIFO; each waiter has a deadline. Placing a request is the
 pool's job (`place`: pick the workers and start the request on them, or None when all are full);
