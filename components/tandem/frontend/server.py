@@ -52,10 +52,14 @@ class HttpServer(Protocol):
     async def stop(self) -> None: ...
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening-ready socket; `reuse_port`: SO_REUSEPORT, so that several frontend processes
+    bind the same port and the kernel spreads connections among them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.setblocking(False)
     return sock
@@ -65,12 +69,13 @@ class UvicornServer:
     """The app on uvicorn's httptools protocol. `await start()`, then `port`; `await stop()`."""
 
     def __init__(self, app: FrontendApp, host: str, port: int,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False):
         import uvicorn
 
         self.app = app
         self.host = host
         self.drain_timeout_s = drain_timeout_s
+        self.reuse_port = reuse_port
         self._requested_port = port
         self._config = uvicorn.Config(
             app, http="httptools", ws="none", loop="none", lifespan="off", interface="asgi3",
@@ -93,7 +98,7 @@ class UvicornServer:
             config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
-        self._sock = _bind(self.host, self._requested_port)
+        self._sock = _bind(self.host, self._requested_port, self.reuse_port)
         self._port = int(self._sock.getsockname()[1])
         await server.startup(sockets=[self._sock])
         self._server = server
@@ -180,11 +185,13 @@ class GranianServer:
 
 
 def make_server(app: FrontendApp, host: str, port: int, backend: Backend = DEFAULT_BACKEND,
-                drain_timeout_s: float = DRAIN_TIMEOUT_S) -> HttpServer:
+                drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False) -> HttpServer:
     if backend == "granian":
+        if reuse_port:  # granian's embedded server binds its own socket, without SO_REUSEPORT
+            raise ValueError("--reuse-port needs --http-server uvicorn")
         return GranianServer(app, host, port, drain_timeout_s)
     if backend == "uvicorn":
-        return UvicornServer(app, host, port, drain_timeout_s)
+        return UvicornServer(app, host, port, drain_timeout_s, reuse_port)
     raise ValueError(f"unknown HTTP backend {backend!r}")
 
 
@@ -194,7 +201,8 @@ async def serve(config: FrontendConfig, pool: Pool, stop: asyncio.Event, *,
     """Serve the OpenAI API for `pool` on `config.host:config.port` until `stop` is set (by
     tandem.runtime.lifecycle.run, on SIGTERM/SIGINT); then drain and return."""
     app = FrontendApp(config, pool, preprocessor or Preprocessor.from_config(config))
-    server = make_server(app, config.host, config.port, backend)
+    server = make_server(app, config.host, config.port, backend, config.drain_timeout_s,
+                         config.reuse_port)
     try:
         await server.start()
         log.info("serving %s on http://%s:%d (%s)", app.model_name, config.host, server.port,

@@ -11,6 +11,16 @@ This module owns two things:
   reported as a `Change` (added, removed) to an `on_change` callback that a worker pool consumes:
   connect the added addresses, drop the removed ones once their requests end.
 
+The resolver is injectable (`resolver=`). One test seam reaches it from outside the process: when
+the environment variable `TANDEM_DISCOVERY_HOSTS` names a file, the default resolver reads that file
+(hosts format: `IP NAME [NAME...]` per line, `#` comments) on every resolution instead of asking
+DNS, so end-to-end tests can make a name resolve to several loopback addresses and change the set
+while a frontend runs. Production leaves it unset.
+
+The loop task is supervised: if it ever dies of an error (resolution and callback errors are
+handled inside it), the process goes down (tandem.runtime.lifecycle.crash) rather than serving on a
+frozen worker set.
+
 DNS only says which addresses exist; whether a worker is alive stays the business of the ZMQ
 heartbeats. A name that fails to resolve (error, deadline, NXDOMAIN) keeps its last known set: a
 flaky resolver must not tear down healthy connections. Failures are logged, rate-limited per name,
@@ -23,16 +33,21 @@ import asyncio
 import inspect
 import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.runtime import lifecycle
 
 log = logging.getLogger("tandem.discovery")
 
 DEFAULT_INTERVAL_S = 3.0  # re-resolve DNS names this often
 DEFAULT_TIMEOUT_S = 2.0  # one resolution may take this long before it counts as failed
 DEFAULT_LOG_EVERY_S = 30.0  # at most one failure line per name this often
+HOSTS_ENV = "TANDEM_DISCOVERY_HOSTS"  # test seam: resolve names from this hosts-format file
 
 Resolver = Callable[[str, int], Awaitable[Iterable[str]]]
 """`resolver(name, port)` -> the IPv4 addresses `name` stands for now (raises on failure)."""
@@ -129,6 +144,36 @@ async def getaddrinfo_resolver(name: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+def hosts_file_resolver(path: str | os.PathLike[str]) -> Resolver:
+    """A resolver reading a hosts-format file (`IP NAME [NAME...]`) at every call: the IPv4
+    addresses listed for `name`; a name the file does not list fails like NXDOMAIN."""
+    file = Path(path)
+
+    async def resolve(name: str, port: int) -> list[str]:
+        found: set[str] = set()
+        listed = False
+        for line in file.read_text().splitlines():
+            fields = line.split("#", 1)[0].split()
+            if len(fields) < 2 or name not in fields[1:]:
+                continue
+            listed = True
+            try:
+                found.add(_ipv4(fields[0]))
+            except ValueError:
+                continue  # an IPv6 or malformed entry: not an A record
+        if not listed:
+            raise socket.gaierror(socket.EAI_NONAME, f"{name} is not in {file}")
+        return sorted(found)
+
+    return resolve
+
+
+def default_resolver() -> Resolver:
+    """DNS (getaddrinfo), or the hosts file `TANDEM_DISCOVERY_HOSTS` names (a test seam)."""
+    path = os.environ.get(HOSTS_ENV)
+    return hosts_file_resolver(path) if path else getaddrinfo_resolver
+
+
 def _ipv4(text: str) -> str:
     return str(ipaddress.IPv4Address(text))  # raises ValueError on anything else
 
@@ -159,7 +204,7 @@ class Discovery:
                 t for t in items if isinstance(t, WorkerTarget))
         else:
             self.targets = tuple(parse_workers([str(t) for t in items]))
-        self._resolve: Resolver = resolver or getaddrinfo_resolver
+        self._resolve: Resolver = resolver or default_resolver()
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_change = on_change
@@ -196,6 +241,7 @@ class Discovery:
         first = await self.refresh()
         if self._names and not self._closed:
             self._task = asyncio.create_task(self._loop(), name="tandem-discovery")
+            self._task.add_done_callback(_supervise)
         return first
 
     async def close(self) -> None:
@@ -217,7 +263,7 @@ class Discovery:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _loop(self) -> None:
+    async def _loop(self) -> None:  # (supervised: see _supervise)
         while True:
             await asyncio.sleep(self.interval_s)
             try:
@@ -285,3 +331,9 @@ class Discovery:
             raise
         except Exception:
             log.exception("discovery on_change callback failed for %s", change)
+
+
+def _supervise(task: asyncio.Task[None]) -> None:
+    """The loop must only end by cancellation; an error ending it is fatal to the process."""
+    if not task.cancelled() and task.exception() is not None:
+        lifecycle.crash("worker discovery stopped", task.exception())

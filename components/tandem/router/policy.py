@@ -3,7 +3,8 @@
 The pool filters first (usable, right role, under its limits) and asks the policy to choose among
 what is left, in the pool's stable worker order; `served` tells the policy what was chosen.
 
-- `round-robin`: the next worker after the last one chosen for that role.
+- `round-robin`: the next worker after the last one chosen for that role (workers added later
+  join the end of the order).
 - `least-loaded` (default): fewest requests in flight, then fewest prompt/decode tokens, then the
   most free pages in the last report.
 - `prefix`: the worker that most recently served the longest shared prefix of the prompt, found by
@@ -63,14 +64,20 @@ class RoundRobin:
         self._rank = {a: i for i, a in enumerate(order)}
         self._last: dict[str, int] = {}  # role -> rank of the worker chosen last
 
+    def _ranked(self, address: str) -> int:
+        """A worker's place in the order; one added later goes last."""
+        return self._rank.setdefault(address, len(self._rank))
+
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
                page_size: int) -> Candidate:
+        for c in candidates:
+            self._ranked(c.address)
         last = self._last.get(role, -1)
         n = len(self._rank)
         return min(candidates, key=lambda c: (self._rank[c.address] - last - 1) % n)
 
     def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int) -> None:
-        self._last[role] = self._rank[chosen.address]
+        self._last[role] = self._ranked(chosen.address)
 
 
 def block_hashes(prompt_ids: list[int], page_size: int) -> list[int]:

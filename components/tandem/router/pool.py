@@ -9,6 +9,13 @@ routing policy (tandem.router.policy). `open()` raises Unavailable (HTTP 503) at
 placed at once or waits for capacity in the bounded AdmissionQueue (503 when full or past the
 deadline). The connections themselves are WorkerLinks (tandem.router.link).
 
+The set of workers changes while serving (`add`, `remove`, `apply`: what tandem.router.discovery
+reports). A new address gets a link at once (connected once the pool has started); a removed one
+takes no new request and its link is closed once its last request ended (at once when it has
+none); an address that comes back before that takes requests again on the same link. Whether a
+worker is alive stays the heartbeats' business. A worker whose last load report says `draining`
+(it is shutting down) gets nothing new either.
+
 Cluster facts come from the workers that can serve: `max_context` is the smallest among the usable
 workers (a request must fit on whichever worker the policy picks; on both legs of a PD request), and
 a policy hashes prompts by the page size of the role it chooses within. The model name is the
@@ -30,15 +37,18 @@ from typing import Any
 from tandem.config import RETRY_AFTER_S, RouterConfig
 from tandem.router.accounting import can_take
 from tandem.router.admission import AdmissionQueue
+from tandem.router.discovery import Change
 from tandem.router.link import WorkerChannel, WorkerLink
 from tandem.router.policy import make_policy
 from tandem.router.request import RequestHandle
 from tandem.runtime import errors
 from tandem.runtime.channel import ZmqChannel
+from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.metrics import Registry
 from tandem.runtime.wire import Bootstrap, SamplingParams
 
 log = logging.getLogger("tandem.router")
+LEAVE_GRACE_S = 0.2  # a removed link's last Abort/Credit get this long to leave before it closes
 
 Connect = Callable[[str, str], WorkerChannel]
 """`connect(address, frontend_id)` -> a channel to that worker."""
@@ -49,23 +59,26 @@ def zmq_connect(address: str, frontend_id: str) -> WorkerChannel:
 
 
 class WorkerPool:
-    def __init__(self, addresses: Sequence[str], frontend_id: str | None = None,
+    def __init__(self, addresses: Sequence[str] = (), frontend_id: str | None = None,
                  router: RouterConfig | None = None, *, connect: Connect = zmq_connect,
                  registry: Registry | None = None, **link_options: Any) -> None:
-        if not addresses:
-            raise ValueError("at least one worker address is needed")
+        """`addresses`: the workers known at the start (none is fine when discovery adds them)."""
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.links = [WorkerLink(a, self.frontend_id, connect(a, self.frontend_id),
-                                 **link_options) for a in addresses]
+        self._connect, self._link_options = connect, link_options
+        self.links: list[WorkerLink] = []  # every link, leaving ones too, in the order added
+        self._leaving: set[str] = set()  # removed: no new requests; closed once they have none
+        self._dropping = TaskGroup()  # the closing of links that left
+        self._started = False
+        self.placed: dict[str, int] = {}  # requests placed per worker address (a counter)
         self.router = router or RouterConfig()
-        self.policy = make_policy(self.router.policy, [w.address for w in self.links],
+        self.policy = make_policy(self.router.policy, list(addresses),
                                   self.router.prefix_cache_blocks)
         self.registry = registry if registry is not None else Registry()
         self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
             self._place, RequestHandle.release, self.router.max_queue,
             self.router.queue_timeout_s, RETRY_AFTER_S, self.registry)
-        for w in self.links:
-            w.on_capacity = self._on_capacity
+        for a in addresses:
+            self._new_link(a)
         self._register_metrics(self.registry)
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._next_rid = 0
@@ -81,6 +94,7 @@ class WorkerPool:
         return len(self._admission)
 
     async def start(self, wait_s: float = 0.0) -> None:
+        self._started = True
         for w in self.links:
             await w.connect()
         if wait_s > 0:
@@ -88,19 +102,84 @@ class WorkerPool:
 
     async def close(self) -> None:
         self._admission.fail_all(errors.Unavailable("the frontend is shutting down"), "shutdown")
+        await self._dropping.close()
         await asyncio.gather(*(w.close() for w in self.links))
+
+    # --- the set of workers -----------------------------------------------------------------------
+    def _new_link(self, address: str) -> WorkerLink:
+        link = WorkerLink(address, self.frontend_id, self._connect(address, self.frontend_id),
+                          **self._link_options)
+        link.on_capacity = self._on_capacity
+        self.links.append(link)
+        return link
+
+    def link(self, address: str) -> WorkerLink | None:
+        return next((w for w in self.links if w.address == address), None)
+
+    async def add(self, address: str) -> None:
+        """Serve from the worker at `address` too (connected now if the pool has started)."""
+        link = self.link(address)
+        if link is not None:
+            if address in self._leaving:  # it came back before its link was dropped
+                self._leaving.discard(address)
+                link.on_capacity = self._on_capacity
+                log.info("worker %s is back", address)
+                self._on_capacity()
+            return
+        link = self._new_link(address)
+        log.info("worker %s added", address)
+        if self._started:
+            await link.connect()
+
+    async def remove(self, address: str) -> None:
+        """Place nothing more on `address`; drop its link once its requests have ended."""
+        link = self.link(address)
+        if link is None or address in self._leaving:
+            return
+        self._leaving.add(address)
+        log.info("worker %s removed: %d request(s) left on it", address, len(link.legs))
+        link.on_capacity = lambda: self._drop_when_idle(link)
+        self._drop_when_idle(link)
+        self._on_capacity()  # nothing usable left? queued requests fail now
+
+    async def apply(self, change: Change) -> None:
+        """A discovery change (tandem.router.discovery.Discovery's `on_change`)."""
+        for address in change.removed:
+            await self.remove(address)
+        for address in change.added:
+            await self.add(address)
+
+    def _drop_when_idle(self, link: WorkerLink) -> None:
+        if link.legs or link.address not in self._leaving or link not in self.links:
+            return
+        self._leaving.discard(link.address)
+        self.links.remove(link)
+        log.info("worker %s dropped", link.address)
+
+        async def drop() -> None:
+            await asyncio.sleep(LEAVE_GRACE_S)
+            await link.close()
+
+        self._dropping.spawn(drop(), name=f"drop {link.address}")
+
+    def _serves(self, w: WorkerLink) -> bool:
+        """May take new requests: up, said hello, not removed, not draining."""
+        return (w.usable and w.info is not None and w.address not in self._leaving
+                and not getattr(w.load, "draining", False))
 
     @property
     def max_context(self) -> int | None:
         """The longest prompt + completion every worker that may serve takes: the smallest among
         usable workers (among those that ever said hello when none is usable); None before any."""
-        known = [w.info.max_context for w in self.links if w.info is not None and w.usable]
+        known = [w.info.max_context for w in self.links
+                 if w.info is not None and self._serves(w)]
         if not known:
             known = [w.info.max_context for w in self.links if w.info is not None]
         return min(known) if known else None
 
     def _usable(self, role: str) -> bool:
-        return any(w.usable and w.info is not None and w.info.role == role for w in self.links)
+        return any(self._serves(w) and w.info is not None and w.info.role == role
+                   for w in self.links)
 
     def ready(self) -> bool:
         """Ready to serve: a usable aggregated worker, or a usable prefill AND decode worker."""
@@ -108,8 +187,8 @@ class WorkerPool:
 
     def _candidates(self, role: str, prompt_ids: list[int]) -> list[WorkerLink]:
         n, limits = len(prompt_ids), self.router
-        return [w for w in self.links if w.usable and w.info is not None and w.info.role == role
-                and can_take(limits, w.account, w.info, w.load, n)]
+        return [w for w in self.links if self._serves(w) and w.info is not None
+                and w.info.role == role and can_take(limits, w.account, w.info, w.load, n)]
 
     def _choose(self, role: str, candidates: list[WorkerLink], prompt_ids: list[int]
                 ) -> tuple[WorkerLink, int]:
@@ -129,6 +208,7 @@ class WorkerPool:
             (p, p_page), (d, d_page) = self._choose("prefill", ps, ids), \
                 self._choose("decode", ds, ids)
             h.start(d, p, bootstrap_of(p, secrets.randbits(63)))
+            self._count(p, d)
             self.policy.served("prefill", p, ids, p_page)
             self.policy.served("decode", d, ids, d_page)
             return h
@@ -139,8 +219,13 @@ class WorkerPool:
             return None
         agg, page = self._choose("agg", aggs, ids)
         h.start(agg)
+        self._count(agg)
         self.policy.served("agg", agg, ids, page)
         return h
+
+    def _count(self, *links: WorkerLink) -> None:
+        for w in links:
+            self.placed[w.address] = self.placed.get(w.address, 0) + 1
 
     def _on_capacity(self) -> None:
         if not len(self._admission):
@@ -171,7 +256,9 @@ class WorkerPool:
                 "role": info.role if info else "",
                 "engine": info.engine if info else "",
                 "address": w.address,
-                "state": w.state,
+                "state": "leaving" if w.address in self._leaving else w.state,
+                "draining": bool(getattr(load, "draining", False)),
+                "placed": self.placed.get(w.address, 0),
                 "in_flight": w.num_in_flight,
                 "pending_prefill_tokens": w.pending_prefill_tokens,
                 "active_decode_tokens": w.active_decode_tokens,
@@ -189,6 +276,9 @@ class WorkerPool:
         def per_worker(get: Callable[[WorkerLink], float]) -> Callable[[], list[Any]]:
             return lambda: [((w.address,), get(w)) for w in links]
 
+        r.callback("tandem_worker_placed_requests_total", "Requests placed on the worker.",
+                   lambda: [((a,), n) for a, n in self.placed.items()], ("worker",),
+                   kind="counter")
         for name, help_, get in (
             ("tandem_worker_up", "Whether the worker is usable (1) or not (0).",
              lambda w: int(w.usable)),
