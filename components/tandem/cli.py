@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = parse(argv)
     from tandem.runtime.lifecycle import setup_logging
 
-    setup_logging(cmd.log_level)
+    setup_logging(cmd.log_level, getattr(cmd.config, "log_format", "text"))
     if cmd.name == "model":
         from tandem.engines.reference.checkpoint import write_tiny_model
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tandem.runtime.logs import LOG_FORMATS, LogFormat
 from tandem.runtime.wire import OutputMode, Role, SamplingParams
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -159,6 +160,8 @@ class Common:
                      type=model_dir, required=True, metavar="DIR")
     host: str = opt("127.0.0.1", "address to bind")
     log_level: LogLevel = opt("INFO", "log level of the process", choices=LOG_LEVELS)
+    log_format: LogFormat = opt("text", "log line format: text, or json (one object per line)",
+                                choices=LOG_FORMATS)
     drain_timeout_s: float = opt(10.0, "on SIGTERM, seconds in-flight requests get to finish "
                                  "before they are ended", flag="--drain-timeout",
                                  type=non_negative_float)
@@ -285,6 +288,9 @@ class FrontendConfig(Common):
                                   choices=HTTP_SERVERS)
     reuse_port: bool = opt(False, "bind the HTTP port with SO_REUSEPORT, so that several frontend "
                            "processes share it (tandem up --frontends N)")
+    log_stats_interval_s: float = opt(10.0, "seconds between the one-line throughput and queue "
+                                      "summaries in the log (0 = none)",
+                                      flag="--log-stats-interval", type=non_negative_float)
     router: RouterConfig = opt(RouterConfig(), "router flags")
 
 

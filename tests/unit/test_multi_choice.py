@@ -16,6 +16,7 @@ from tandem.frontend.respond import ChoiceState
 from tandem.runtime import errors
 from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
 from tests.fakes import FakePool, Hang, Item, deltas, write_model_dir
+from tests.metrics_text import value
 from tests.unit.test_frontend_app import COMPLETIONS, CHAT, client, events, make_app
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
@@ -191,8 +192,8 @@ async def test_client_gone_cancels_and_aborts_every_choice(pre: Preprocessor) ->
     assert all(s.exited for s in pool.streams)
     assert sorted(pool.aborted) == sorted(s.rid for s in pool.streams)
     assert app.num_in_flight == 0
-    assert 'tandem_request_errors_total{type="client_disconnected"} 1' in \
-        app.metrics.registry.render()
+    assert value(app.metrics.registry.render(), "tandem_request_errors_total",
+                 type="client_disconnected") == 1
 
 
 # --- one choice's state, without any I/O ---------------------------------------------------------

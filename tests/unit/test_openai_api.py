@@ -77,10 +77,23 @@ def test_unknown_model_is_404_in_openai_words() -> None:
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_interval": 0}, "stream_interval"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids"),
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"stop": "x" * 1025}, "stop"),
 ])
 def test_invalid_chat_requests_are_400(fields: dict[str, object], param: str) -> None:
-    err = bad(api.validate_chat, chat(**fields))
+    err = bad(api.validate_chat, chat(**fields), 1000)
     assert err.status == 400 and err.param == param
     assert err.body()["error"]["param"] == param
 
@@ -115,7 +128,10 @@ def test_prompts_in_any_form(prompt: object, want: object) -> None:
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"best_of": 2}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_requests_are_400(fields: dict[str, object], param: str) -> None:
     err = bad(api.validate_completion, completion(**fields))

@@ -157,8 +157,8 @@ async def test_accounting_follows_a_request_from_start_to_end():
     snap = (await pool.snapshot())[0]
     assert snap["pending_prefill_tokens"] == 0 and snap["active_decode_tokens"] == 0
     text = pool.registry.render()
-    assert 'tandem_worker_active_decode_tokens{worker="tcp://w0"} 0' in text
-    assert 'tandem_worker_pending_prefill_tokens{worker="tcp://w0"} 0' in text
+    assert 'tandem_worker_active_decode_tokens{worker="tcp://w0"} 0.0' in text
+    assert 'tandem_worker_pending_prefill_tokens{worker="tcp://w0"} 0.0' in text
 
 
 async def test_pd_accounting_prefill_on_p_decode_on_d():
@@ -210,8 +210,8 @@ async def test_queue_is_bounded_and_wakes_in_fifo_order():
     with pytest.raises(errors.Unavailable) as e:
         await enter(pool, [4])
     assert time.monotonic() - t0 < 0.1 and e.value.retry_after and e.value.status == 503
-    assert 'tandem_router_rejected_requests_total{reason="queue_full"} 1' in pool.registry.render()
-    assert "tandem_router_queued_requests 2" in pool.registry.render()
+    assert 'tandem_router_rejected_requests_total{reason="queue_full"} 1.0' in pool.registry.render()
+    assert "tandem_router_queued_requests 2.0" in pool.registry.render()
     finish(c, first.rid)
     await first.__aexit__(None, None, None)
     s2 = await asyncio.wait_for(second, 1)
@@ -221,7 +221,7 @@ async def test_queue_is_bounded_and_wakes_in_fifo_order():
     await s2.__aexit__(None, None, None)  # left early: aborted, and the third goes on
     s3 = await asyncio.wait_for(third, 1)
     assert s3.placed and pool.num_queued == 0
-    assert "tandem_router_queue_wait_seconds_count 3" in pool.registry.render()
+    assert "tandem_router_queue_wait_seconds_count 3.0" in pool.registry.render()
 
 
 async def test_queue_deadline_gives_503_and_leaves_the_queue():
@@ -232,7 +232,7 @@ async def test_queue_deadline_gives_503_and_leaves_the_queue():
         await enter(pool, [2])
     assert 0.09 < time.monotonic() - t0 < 1.0 and e.value.retry_after
     assert pool.num_queued == 0
-    assert 'tandem_router_rejected_requests_total{reason="queue_timeout"} 1' in pool.registry.render()
+    assert 'tandem_router_rejected_requests_total{reason="queue_timeout"} 1.0' in pool.registry.render()
 
 
 async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():

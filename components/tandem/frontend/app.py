@@ -1,7 +1,14 @@
 """The HTTP app: a framework-free ASGI 3 application serving the OpenAI API in front of a worker pool.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON), GET /v1/models, /health,
-/metrics (Prometheus text, one registry shared with the pool) and /workers (the pool's snapshot).
+Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON), GET /v1/models and
+/v1/models/{id}, POST /tokenize and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one
+registry shared with the pool, through prometheus_client) and /workers (the pool's snapshot). Every
+error is an OpenAI error body.
+
+Templating and tokenizing a large prompt (over THREAD_CHARS characters) runs in a thread, so the
+event loop (and the workers' heartbeats it answers) never waits on it. Every request ends with one
+access line, and a summary line is logged every `--log-stats-interval` seconds
+(tandem.frontend.access).
 
 A generation request is validated, templated and tokenized before anything is sent, then opened on
 the pool (one request handle per choice) and answered by tandem.frontend.respond. Each request runs
@@ -16,23 +23,26 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from tandem.config import FrontendConfig
 from tandem.frontend import openai_api as api
+from tandem.frontend import validate
+from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
 from tandem.runtime import errors, lifecycle
-from tandem.runtime.metrics import Registry
+from tandem.runtime.metrics import CONTENT_TYPE, Registry
 from tandem.runtime.wire import SamplingParams
 
 log = logging.getLogger("tandem.frontend")
 MAX_BODY_BYTES = 32 * 1024 * 1024
+THREAD_CHARS = 16_384  # prompts longer than this are templated and tokenized in a thread
 _encode = msgspec.json.Encoder().encode
 
 
@@ -64,15 +74,34 @@ class FrontendApp:
         self.model_name = preprocessor.model_name
         self.max_body_bytes = max_body_bytes
         self.registry = registry if registry is not None else pool.registry
-        self.metrics = FrontendMetrics(self.registry)
+        self.registry.add_process_metrics()
+        self.metrics = FrontendMetrics(self.registry, self.model_name)
+        self.metrics.load_gauges(lambda: max(0, len(self._work) - self._queued()), self._queued)
+        self.metrics.kv_usage(self._kv_usage)
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
         self.created = int(time.time())
+        self.traffic = Traffic()
+        self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
         self._get: dict[str, Callable[[ResponseWriter], Awaitable[None]]] = {
             "/v1/models": self._models, "/health": self._health, "/metrics": self._metrics,
             "/workers": self._workers,
         }
         self._post = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+        self._post_small: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
+            "/tokenize": self._tokenize, "/detokenize": self._detokenize}
+
+    def _queued(self) -> int:
+        return int(getattr(self.pool, "num_queued", 0))
+
+    def _kv_usage(self) -> list[tuple[tuple[str], float]]:
+        out: list[tuple[tuple[str], float]] = []
+        for w in getattr(self.pool, "links", ()):
+            load = getattr(w, "load", None)
+            total = getattr(load, "pages_total", 0)
+            if total:
+                out.append(((w.address,), 1.0 - load.pages_free / total))  # type: ignore[union-attr]
+        return out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -85,38 +114,56 @@ class FrontendApp:
         path: str = scope["path"]
         method: str = scope["method"]
         ex = ResponseWriter(send)
+        t0 = time.monotonic()
+        if self._stats is None and self.config.log_stats_interval_s > 0 and not self.draining:
+            self._stats = asyncio.ensure_future(log_stats(
+                self.traffic, self.config.log_stats_interval_s,
+                lambda: (max(0, len(self._work) - self._queued()), self._queued())))
         try:
             kind = self._post.get(path)
             if kind is not None and method == "POST":
-                await self._generation(kind, receive, ex)
+                job = await self._generation(kind, receive, ex, t0)
+                self.traffic.record(method, path, ex.status or 499, job.rid if job else "",
+                                    job.prompt_tokens if job else 0,
+                                    job.completion_tokens if job else 0,
+                                    job.ttft if job else None, time.monotonic() - t0)
                 return
             handler = self._get.get(path)
+            small = self._post_small.get(path)
+            endpoint = path if handler or small else "other"
             if handler is not None and method in ("GET", "HEAD"):
                 await handler(ex)
-            elif handler is not None or kind is not None:
+            elif small is not None and method == "POST":
+                await self._small(small, receive, ex)
+            elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+                endpoint = "/v1/models/{id}"
+                await self._model(path[len("/v1/models/"):], ex)
+            elif handler is not None or kind is not None or small is not None:
                 await ex.error(MethodNotAllowed(f"Method {method} is not allowed on {path}."))
             else:
                 await ex.error(errors.NotFound(f"No route for {method} {path}."))
-            self.metrics.requests.labels(path if handler else "other", str(ex.status)).inc()
+            self.metrics.requests.labels(endpoint, str(ex.status)).inc()
+            if endpoint not in ("/metrics", "/health"):  # probes and scrapes: not traffic
+                self.traffic.record(method, path, ex.status, "", 0, 0, None,
+                                    time.monotonic() - t0)
         except ClientGone:
             pass
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def _generation(self, kind: str, receive: Receive, ex: ResponseWriter) -> None:
-        t0 = time.monotonic()
+    async def _generation(self, kind: str, receive: Receive, ex: ResponseWriter,
+                          t0: float) -> GenerationJob | None:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         m = self.metrics
         try:
             body = await read_body(receive, self.max_body_bytes)
-            job = self._prepare(kind, body, t0)
+            job = await self._prepare(kind, body, t0)
             handles = [self.pool.open(c.prompt_ids, c.sampling) for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
-            m.errors.labels(e.type).inc()
+            m.error(e.type)
             await ex.error(e)
             m.requests.labels(endpoint, str(ex.status)).inc()
-            return
-        m.in_flight.inc()
+            return None
         work = asyncio.ensure_future(self._respond(job, handles, receive, ex))
         self._work.add(work)
         work.add_done_callback(self._work.discard)
@@ -125,56 +172,67 @@ class FrontendApp:
         finally:
             work.cancel()
             await asyncio.wait((work,))
-            m.in_flight.dec()
             m.requests.labels(endpoint, str(ex.status) if ex.status else "499").inc()
             m.e2e.observe(time.monotonic() - t0)
         if not work.cancelled():
             exc = work.exception()
             if exc is not None and not isinstance(exc, ClientGone):
                 raise exc
+        return job
 
     async def _respond(self, job: GenerationJob, handles: list[Handle], receive: Receive,
                        ex: ResponseWriter) -> None:
         async with watch_disconnect(receive, ex):
             await respond(job, handles, ex, self.metrics)
 
-    def _prepare(self, kind: str, body: bytes, t0: float) -> GenerationJob:
+    async def _prepare(self, kind: str, body: bytes, t0: float) -> GenerationJob:
         """Validate, template, tokenize and size one request; every refusal raises."""
         if self.draining:
             raise errors.Unavailable("The server is shutting down.", retry_after=1)
         pre = self.preprocessor
+        vocab = pre.vocab_size
         req: api.ChatCompletionRequest | api.CompletionRequest
+        texts: list[str | list[int]] = []
         if kind == "chat":
             req = api.decode_request(body, api.ChatCompletionRequest)
             api.check_model(req, self.model_name)
-            messages = api.validate_chat(req)
+            messages = api.validate_chat(req, vocab)
             max_tokens = api.chat_max_tokens(req)
             default_max: int | None = None  # vLLM: the rest of the context
             max_context = self._max_context()
-            prompts = [pre.encode_chat(messages, req.tools, req.chat_template_kwargs)]
+            chars = sum(len(m["content"] or "") for m in messages)
+            prompts = [await _maybe_thread(chars, pre.encode_chat, messages, req.tools,
+                                           req.chat_template_kwargs)]
         else:
             req = api.decode_request(body, api.CompletionRequest)
             api.check_model(req, self.model_name)
-            texts = api.validate_completion(req)
+            texts = api.validate_completion(req, vocab)
             max_tokens = req.max_tokens
             default_max = self.config.default_max_tokens
             max_context = self._max_context()
-            prompts = [pre.encode_prompt(p) for p in texts]
-        stops = api.stops_of(req)
+            chars = sum(len(p) for p in texts if isinstance(p, str))
+            prompts = await _maybe_thread(chars, lambda: [pre.encode_prompt(p) for p in texts])
+        opts = api.options(req)
         choices: list[ChoiceSpec] = []
         for p, prompt_ids in enumerate(prompts):
             sampling = api.sampling_params(req, max_tokens, len(prompt_ids), max_context,
                                            default_max)
-            for i in range(req.n):
+            echo = ""
+            if opts.echo:
+                t = texts[p]
+                echo = t if isinstance(t, str) else pre.decode(t, opts.skip_special_tokens)
+            for i in range(opts.n):
                 sp = sampling if i == 0 or sampling.seed is None else \
-                    msgspec.structs.replace(sampling, seed=sampling.seed + i)
-                detok = pre.detokenizers.new(stops, prompt_ids)
-                choices.append(ChoiceSpec(p, prompt_ids, sp, detok))
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+                    msgspec.structs.replace(sampling, seed=api.seed_of(req.seed, i))
+                detok = pre.detokenizers.new(opts.stops, prompt_ids, opts.skip_special_tokens,
+                                             opts.include_stop)
+                choices.append(ChoiceSpec(p, prompt_ids, sp, detok, echo))
         return GenerationJob(
             kind="chat" if kind == "chat" else "completion", model=self.model_name,
-            stream=req.stream, include_usage=include_usage,
-            interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices)
+            stream=opts.stream, include_usage=opts.include_usage,
+            interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
+            logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
+            token=pre.detokenizers.token)
 
     def _max_context(self) -> int:
         max_context = self.pool.max_context
@@ -190,6 +248,8 @@ class FrontendApp:
         """Refuse new requests, give in-flight ones `timeout_s` to finish, then cancel the rest
         (leaving their request handles aborts them on the workers)."""
         self.draining = True
+        if self._stats is not None:
+            self._stats.cancel()
         left = await lifecycle.drain(self._work, timeout_s)
         if left:
             log.warning("drain: cancelled %d request(s) still running after %.1fs", left,
@@ -197,10 +257,58 @@ class FrontendApp:
 
     # --- the small endpoints ----------------------------------------------------------------------
 
-    async def _models(self, ex: ResponseWriter) -> None:
-        card = api.ModelCard(self.model_name, "model", self.created, "tandem",
+    def _card(self) -> api.ModelCard:
+        return api.ModelCard(self.model_name, "model", self.created, "tandem",
                              self.config.model or self.model_name, self.pool.max_context)
-        await ex.reply(200, _encode(api.ModelList("list", [card])), JSON)
+
+    async def _models(self, ex: ResponseWriter) -> None:
+        await ex.reply(200, _encode(api.ModelList("list", [self._card()])), JSON)
+
+    async def _model(self, model_id: str, ex: ResponseWriter) -> None:
+        if model_id != self.model_name:
+            await ex.error(errors.ModelNotFound(
+                f"The model `{model_id}` does not exist or you do not have access to it.",
+                param="model"))
+            return
+        await ex.reply(200, _encode(self._card()), JSON)
+
+    async def _small(self, handler: Callable[[bytes], Awaitable[bytes]], receive: Receive,
+                     ex: ResponseWriter) -> None:
+        try:
+            body = await handler(await read_body(receive, self.max_body_bytes))
+        except errors.TandemError as e:
+            await ex.error(e)
+            return
+        await ex.reply(200, body, JSON)
+
+    async def _tokenize(self, body: bytes) -> bytes:
+        """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)
+        or chat `messages` through the template (`add_generation_prompt`, default true)."""
+        req = api.decode_request(body, api.TokenizeRequest)
+        api.check_model(req, self.model_name)
+        pre = self.preprocessor
+        if (req.prompt is None) == (req.messages is None):
+            raise errors.BadRequest("Send either `prompt` or `messages`.", param="prompt")
+        if req.prompt is not None:
+            prompt = req.prompt
+            validate.check_prompt_chars(len(prompt), "prompt")
+            ids = await _maybe_thread(len(prompt), lambda: pre.tokenizer.encode(
+                prompt, add_special_tokens=req.add_special_tokens is not False).ids)
+        else:
+            messages = [validate.message_dict(m, i) for i, m in enumerate(req.messages or ())]
+            chars = sum(len(m["content"] or "") for m in messages)
+            validate.check_prompt_chars(chars, "messages")
+            text = await _maybe_thread(chars, pre.render_chat, messages, None, None,
+                                       req.add_generation_prompt is not False)
+            ids = await _maybe_thread(len(text), lambda: pre.tokenizer.encode(
+                text, add_special_tokens=bool(req.add_special_tokens)).ids)
+        return _encode(api.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
+
+    async def _detokenize(self, body: bytes) -> bytes:
+        req = api.decode_request(body, api.DetokenizeRequest)
+        api.check_model(req, self.model_name)
+        text = await _maybe_thread(len(req.tokens), self.preprocessor.decode, req.tokens)
+        return _encode(api.DetokenizeResponse(text))
 
     async def _health(self, ex: ResponseWriter) -> None:
         if self.pool.ready() and not self.draining:
@@ -210,11 +318,20 @@ class FrontendApp:
             await ex.reply(503, b'{"status":"' + status + b'"}', JSON)
 
     async def _metrics(self, ex: ResponseWriter) -> None:
-        text = self.registry.render()
-        await ex.reply(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+        await ex.reply(200, self.registry.render().encode(), CONTENT_TYPE)
 
     async def _workers(self, ex: ResponseWriter) -> None:
         await ex.reply(200, _encode({"workers": await self.pool.snapshot()}), JSON)
+
+
+T = TypeVar("T")
+
+
+async def _maybe_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` here when `size` is small, else in a thread (the loop keeps serving)."""
+    if size <= THREAD_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -149,10 +149,11 @@ class _WindowText:
 class _StopText:
     """Holds back the tail that might begin a stop string; finds the first complete one."""
 
-    __slots__ = ("_stops", "_hold", "_pending")
+    __slots__ = ("_stops", "_hold", "_pending", "_include")
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self._stops = tuple(stops)
+        self._include = include
         self._hold = max(len(s) for s in self._stops) - 1
         self._pending = ""
 
@@ -169,7 +170,7 @@ class _StopText:
                     best_end, best_start = end, i
         if best_end >= 0:
             self._pending = ""
-            return pending[:best_start], True
+            return pending[:best_end if self._include else best_start], True
         cut = len(pending) - self._hold
         if cut <= 0:
             self._pending = pending
@@ -189,9 +190,9 @@ class Detokenizer:
 
     __slots__ = ("_text", "_stop", "stopped")
 
-    def __init__(self, text: _TextSource, stops: Sequence[str] = ()):
+    def __init__(self, text: _TextSource, stops: Sequence[str] = (), include_stop: bool = False):
         self._text = text
-        self._stop = _StopText(stops) if stops else None
+        self._stop = _StopText(stops, include_stop) if stops else None
         self.stopped = False
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
@@ -224,17 +225,51 @@ class DetokenizerFactory:
         self.skip_special_tokens = skip_special_tokens
         if byte_level is None:
             byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._byte_level = byte_level
         self._table = byte_table(tokenizer, skip_special_tokens) if byte_level else None
+        self._other: list[bytes] | None = None  # the table with the other skip_special_tokens
+        self._tokens: dict[int, tuple[str, bytes]] = {}
 
     @property
     def byte_level(self) -> bool:
         return self._table is not None
 
-    def new(self, stops: Sequence[str] = (), context_ids: Sequence[int] = ()) -> Detokenizer:
-        """`context_ids`: the prompt's ids (only its last few are used, by the windowed decoder)."""
+    def _table_for(self, skip_special_tokens: bool) -> list[bytes] | None:
+        if not self._byte_level:
+            return None
+        if skip_special_tokens == self.skip_special_tokens:
+            return self._table
+        if self._other is None:  # built once, the first time a request asks for it
+            self._other = byte_table(self.tokenizer, skip_special_tokens)
+        return self._other
+
+    def new(self, stops: Sequence[str] = (), context_ids: Sequence[int] = (),
+            skip_special_tokens: bool | None = None, include_stop: bool = False) -> Detokenizer:
+        """`context_ids`: the prompt's ids (only its last few are used, by the windowed decoder).
+        `skip_special_tokens` None: the factory's default. `include_stop`: a stop string that
+        ends the text stays in it."""
+        skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
         text: _TextSource
-        if self._table is not None:
-            text = _ByteLevelText(self._table)
+        table = self._table_for(skip)
+        if table is not None:
+            text = _ByteLevelText(table)
         else:
-            text = _WindowText(self.tokenizer, self.skip_special_tokens, context_ids)
-        return Detokenizer(text, stops)
+            text = _WindowText(self.tokenizer, skip, context_ids)
+        return Detokenizer(text, stops, include_stop)
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """One token on its own, as logprobs show it: (its text, its bytes); special tokens
+        included. Text of a token that is part of a character has U+FFFD for the missing part."""
+        hit = self._tokens.get(token_id)
+        if hit is not None:
+            return hit
+        table = self._table_for(False)
+        if table is not None:
+            raw = table[token_id] if 0 <= token_id < len(table) else b""
+            text = raw.decode("utf-8", "replace")
+        else:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = text.encode()
+        if len(self._tokens) < 1 << 20:
+            self._tokens[token_id] = (text, raw)
+        return text, raw

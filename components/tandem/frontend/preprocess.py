@@ -115,7 +115,8 @@ class Preprocessor:
         return bool(self._templates)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
         """The chat template applied with `add_generation_prompt=True`; a template error is 400."""
         template = None
         if tools:
@@ -126,7 +127,7 @@ class Preprocessor:
                                     param="messages")
         context: dict[str, Any] = dict(template_kwargs or {})
         context.update(self.special_tokens)
-        context.update(messages=messages, tools=tools, add_generation_prompt=True)
+        context.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
         try:
             return template.render(**context)
         except TemplateRaised as e:
@@ -144,9 +145,9 @@ class Preprocessor:
             raise errors.BadRequest("The messages render to an empty prompt.", param="messages")
         return ids
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
         else:
             for t in prompt:
                 if t >= self.vocab_size:
@@ -157,3 +158,12 @@ class Preprocessor:
         if not ids:
             raise errors.BadRequest("prompt must not be empty.", param="prompt")
         return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Token ids -> text (/detokenize, completions `echo`); ids must be in the vocabulary."""
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise errors.BadRequest(
+                    f"Token id {t} is out of range: the vocabulary has {self.vocab_size} "
+                    f"tokens.", param="tokens")
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -41,7 +41,7 @@ from tandem.frontend.http import JSON, ClientGone, ResponseWriter, error_of
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
-from tandem.runtime.wire import Delta, SamplingParams
+from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("tandem.frontend")
 _encode = msgspec.json.Encoder().encode
@@ -68,6 +68,7 @@ class ChoiceSpec:
     prompt_ids: list[int]
     sampling: SamplingParams
     detokenizer: Detokenizer
+    echo: str = ""  # completions `echo`: the prompt's text, before the completion's
 
 
 @dataclass(slots=True)
@@ -81,6 +82,13 @@ class GenerationJob:
     interval: int
     t0: float  # time.monotonic() at arrival
     choices: list[ChoiceSpec]
+    logprobs: int | None = None  # render the tokens' logprobs (None: the response has none)
+    continuous_usage: bool = False  # usage in every streamed chunk
+    token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
+    # What the response loop reports back, for the access log:
+    rid: str = ""
+    completion_tokens: int = 0
+    ttft: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,11 +106,11 @@ class ChoiceState:
                  "finish", "sent", "head")
 
     def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None, interval: int,
-                 role: bool = False) -> None:
+                 role: bool = False, prefix: str = "") -> None:
         self.detok = detok
         self.enc = enc
         self.interval = interval
-        self.buf: list[str] = []
+        self.buf: list[str] = [prefix] if prefix else []
         self.buf_tokens = 0
         self.num_tokens = 0  # every token received, those a stop string cut included
         self.num_chunks = 0  # streamed chunks that carried text
@@ -163,6 +171,53 @@ class ChoiceState:
         return "".join(self.buf)
 
 
+class RichChoiceState(ChoiceState):
+    """A choice whose response carries more than text: its tokens' logprobs (streamed with the
+    chunk that carries them, or all in the body) and/or the usage so far in every chunk."""
+
+    __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous")
+
+    def __init__(self, job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
+                 created: int) -> None:
+        enc = sse.RichChunkEncoder(job.kind, rid, created, job.model, index, self) \
+            if job.stream else None
+        super().__init__(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
+        self.kind = job.kind
+        self.token = job.token
+        self.want_logprobs = job.logprobs is not None and job.token is not None
+        self.lps: list[TokenLogprobs] = []  # streamed: not sent yet; aggregated: all
+        self.offset = len(spec.echo)
+        self.prompt_tokens = len(spec.prompt_ids)
+        self.continuous = job.continuous_usage
+
+    def feed(self, d: Delta) -> bytes:
+        if self.want_logprobs and d.logprobs:
+            self.lps += d.logprobs
+        return ChoiceState.feed(self, d)
+
+    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None:
+        if not self.want_logprobs or self.token is None:
+            return None
+        lps, self.lps = self.lps, []
+        if self.kind == "chat":
+            return api.chat_logprobs(lps, self.token)
+        out = api.completion_logprobs(lps, self.token, self.offset)
+        if out.tokens:
+            self.offset = out.text_offset[-1] + len(out.tokens[-1])
+        return out
+
+    def usage_now(self) -> api.UsageInfo | None:
+        return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None
+
+
+def _state(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
+           created: int) -> ChoiceState:
+    if job.continuous_usage or job.logprobs is not None:
+        return RichChoiceState(job, spec, index, rid, created)
+    enc = sse.ChunkEncoder(job.kind, rid, created, job.model, index) if job.stream else None
+    return ChoiceState(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
+
+
 class _Ready:
     """The indexes of the choices whose collectors hold something, in arrival order."""
 
@@ -182,14 +237,12 @@ class _Ready:
 async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                   m: FrontendMetrics) -> None:
     chat = job.kind == "chat"
-    rid = ("chatcmpl-" if chat else "cmpl-") + handles[0].rid
+    rid = job.rid = ("chatcmpl-" if chat else "cmpl-") + handles[0].rid
     created = int(time.time())
-    states = [ChoiceState(c.detokenizer, sse.ChunkEncoder(job.kind, rid, created, job.model, i)
-                          if job.stream else None, job.interval, chat)
-              for i, c in enumerate(job.choices)]
+    states = [_state(job, c, i, rid, created) for i, c in enumerate(job.choices)]
     m.prompt_tokens.inc(job.prompt_tokens)
-    itl = m.itl.child()
     last = [0.0] * len(states)
+    placed_at = last_at = 0.0
     entered: list[Handle] = []
     ready = _Ready()
     left = len(states)
@@ -201,11 +254,13 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
             for h in handles:
                 await h.__aenter__()
                 entered.append(h)
+            placed_at = time.monotonic()
+            m.queue_time.observe(placed_at - job.t0)
             for i, h in enumerate(handles):
                 h.collector.listen(partial(ready.add, i))
             # The hot loop: names bound once, no allocation a pass does not need.
             queue, takes = ready.queue, [h.collector.take for h in handles]
-            loop, monotonic, observe = asyncio.get_running_loop(), time.monotonic, itl.observe
+            loop, monotonic, observe = asyncio.get_running_loop(), time.monotonic, m.itl.observe_n
             to_start = job.stream
             while left:
                 if not queue:
@@ -219,10 +274,13 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
                         continue  # (deltas after a stop string: the request is being left)
                     now = monotonic()
                     if last[i]:
-                        observe(now - last[i])
+                        k = len(d.token_ids)
+                        if k:  # inter-token latency per token, not per delta
+                            observe((now - last[i]) / k, k)
                     elif not first_at:
                         first_at = now
                         m.ttft.observe(now - job.t0)
+                        m.prefill_time.observe(now - placed_at)
                     last[i] = now
                     data = st.feed(d)  # (an error delta raises: the status is still free)
                     if to_start:
@@ -245,14 +303,20 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
             log.exception("request %s failed", rid)
             failure = errors.TandemError(f"Internal server error: {type(e).__name__}")
     except BaseException as e:
-        m.errors.labels("client_disconnected" if isinstance(e, (ClientGone,
-                        asyncio.CancelledError)) else "internal_error").inc()
+        m.error("client_disconnected" if isinstance(e, (ClientGone, asyncio.CancelledError))
+                else "internal_error")
         raise
     finally:
         for h in entered:
             await h.__aexit__(None, None, None)
-        m.generation_tokens.inc(sum(st.num_tokens for st in states))
+        job.completion_tokens = sum(st.num_tokens for st in states)
+        m.generation_tokens.inc(job.completion_tokens)
+        if first_at:
+            job.ttft = first_at - job.t0
         m.stream_chunks.inc(sum(st.num_chunks for st in states))
+        last_at = max(last)
+        if first_at and last_at > first_at:
+            m.decode_time.observe(last_at - first_at)
     await _finish(job, states, rid, created, failure, out, w, m)
 
 
@@ -261,7 +325,9 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
                   m: FrontendMetrics) -> None:
     """Write the end of the response: the last chunks and [DONE], the JSON body, or the error."""
     if failure is not None:
-        m.errors.labels(failure.type).inc()
+        m.error(failure.type)
+        if failure.type == "kv_transfer_error":
+            m.kv_transfer_failures.inc()
         if not w.started:
             await w.error(failure)
             return
@@ -270,7 +336,7 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
         await w.body(b"".join(tail), more=False)
         return
     for st in states:
-        m.finished.labels(st.finish or "").inc()
+        m.finished(st.finish or "")
     usage = api.usage_info(job.prompt_tokens, sum(st.num_tokens for st in states))
     if job.stream:
         enc = states[0].enc
@@ -282,9 +348,14 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
         await w.body(b"".join(out), more=False)
         return
     outs = [(st.text, st.finish) for st in states]
+    lps = [st.take_logprobs() if isinstance(st, RichChoiceState) else None for st in states]
     body: api.ChatCompletion | api.Completion
     if job.kind == "chat":
-        body = api.chat_completion_choices(rid, created, job.model, outs, usage)
+        body = api.chat_completion_choices(
+            rid, created, job.model, outs, usage,
+            [x if isinstance(x, api.ChatLogprobs) else None for x in lps])
     else:
-        body = api.text_completion_choices(rid, created, job.model, outs, usage)
+        body = api.text_completion_choices(
+            rid, created, job.model, outs, usage,
+            [x if isinstance(x, api.CompletionLogprobs) else None for x in lps])
     await w.reply(200, _encode(body), JSON)

@@ -3,12 +3,14 @@ final `data: [DONE]\\n\\n`.
 
 `ChunkEncoder` holds one request's chunk prefix and suffix as bytes, so the per-chunk hot path is
 one JSON encode of the new text between two constant byte strings. The bytes equal what encoding
-the `openai_api` chunk Structs gives (a unit test holds them to that).
+the `openai_api` chunk Structs gives (a unit test holds them to that). `RichChunkEncoder` is the
+one a request gets when its chunks carry more (logprobs, usage in every chunk): it encodes the
+Structs, so a plain stream never pays for what it did not ask for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -84,3 +86,42 @@ class ChunkEncoder:
                                                  self.model, [], usage))
         return event(api.Completion(self.rid, "text_completion", self.created, self.model, [],
                                     usage))
+
+
+class ChunkExtras(Protocol):
+    """What a RichChunkEncoder asks its choice for, per chunk."""
+
+    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None: ...
+
+    def usage_now(self) -> api.UsageInfo | None: ...
+
+
+class RichChunkEncoder(ChunkEncoder):
+    """Chunks that carry the logprobs of their tokens and/or the usage so far."""
+
+    __slots__ = ("extras",)
+
+    def __init__(self, kind: Kind, rid: str, created: int, model: str, index: int,
+                 extras: ChunkExtras):
+        super().__init__(kind, rid, created, model, index)
+        self.extras = extras
+
+    def _chunk(self, text: str | None, finish: str | None) -> bytes:
+        x = self.extras
+        lp = x.take_logprobs()
+        if self.kind == "chat":
+            assert lp is None or isinstance(lp, api.ChatLogprobs)
+            delta = api.ChatDelta() if text is None else api.ChatDelta(content=text)
+            return event(api.ChatCompletionChunk(
+                self.rid, "chat.completion.chunk", self.created, self.model,
+                [api.ChatChunkChoice(self.index, delta, lp, finish)], x.usage_now()))
+        assert lp is None or isinstance(lp, api.CompletionLogprobs)
+        return event(api.Completion(
+            self.rid, "text_completion", self.created, self.model,
+            [api.CompletionChoice(self.index, text or "", lp, finish)], x.usage_now()))
+
+    def text(self, text: str, finish: str | None = None) -> bytes:
+        return self._chunk(text, finish)
+
+    def finish(self, finish: str) -> bytes:
+        return self._chunk(None, finish)

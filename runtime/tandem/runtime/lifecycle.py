@@ -26,8 +26,11 @@ from tandem.runtime.config import GC_THRESHOLDS
 log = logging.getLogger("tandem")
 
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """The process's logging (tandem.runtime.logs): `fmt` is "text" or "json"."""
+    from tandem.runtime.logs import setup
+
+    setup(level, fmt)
 
 
 def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:

@@ -1,21 +1,27 @@
-"""A small Prometheus metrics kit: Counter, Gauge and Histogram with labels, callback metrics read
-at collect time, and a Registry that renders the text exposition format (version 0.0.4). No
-prometheus_client dependency.
+"""Prometheus metrics: Counter, Gauge and Histogram with labels, callback metrics read at collect
+time, and a Registry exposed through `prometheus_client` (its text exposition, its types, its
+`process_*` collector).
 
-This module owns rendering: nothing else in tandem writes exposition text. A component either
-updates metric objects it registered (`registry.counter(...)`), or registers a callback
-(`registry.callback(...)`) that reads its own state when /metrics is scraped, so state that already
+The hot path never touches a lock: a metric's values are plain slotted objects (`_Value`,
+`_HistogramChild`) updated with an add; `prometheus_client` reads them only when /metrics is
+scraped, through one collector per Registry that turns every metric into a metric family. So a
+component either updates metric objects it registered (`registry.counter(...)`), or registers a
+callback (`registry.callback(...)`) that reads its own state at scrape time, and state that already
 exists (queue lengths, per-worker counts) is never mirrored into a gauge on the hot path.
 
-Updating a metric is a dict lookup and an add, so it is cheap enough to do once per delta; a labelled
-child is best looked up once (`counter.labels("chat", "200")`) and kept when it is reused.
+A labelled child is best looked up once (`counter.labels("chat", "200")`) and kept when reused.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
+from prometheus_client.utils import floatToGoString
 
 # Latency buckets in seconds, close to vLLM's for TTFT and inter-token latency.
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -24,27 +30,7 @@ ITL_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.0
                                   0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                                   60.0, 120.0, 300.0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels_text(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(x: float) -> str:
-    if x == math.inf:
-        return "+Inf"
-    if x == -math.inf:
-        return "-Inf"
-    if isinstance(x, int) or x.is_integer():
-        return str(int(x))
-    return repr(x)
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class _Metric:
@@ -55,10 +41,7 @@ class _Metric:
         self.help = help
         self.labelnames = tuple(labelnames)
 
-    def _header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def render(self) -> list[str]:
+    def family(self) -> Metric:
         raise NotImplementedError
 
 
@@ -100,11 +83,18 @@ class _Scalar(_Metric):
     def inc(self, amount: float = 1.0) -> None:
         self._children[()].value += amount
 
-    def render(self) -> list[str]:
-        lines = self._header()
+    def family(self) -> Metric:
+        fam = _new_family(self.kind, self.name, self.help, self.labelnames)
         for values, child in sorted(self._children.items()):
-            lines.append(f"{self.name}{_labels_text(self.labelnames, values)} {_num(child.value)}")
-        return lines
+            fam.add_metric(list(values), child.value)
+        return fam
+
+
+def _new_family(kind: str, name: str, help: str,
+                labelnames: Sequence[str]) -> CounterMetricFamily | GaugeMetricFamily:
+    if kind == "counter":
+        return CounterMetricFamily(name, help, labels=list(labelnames))
+    return GaugeMetricFamily(name, help, labels=list(labelnames))
 
 
 class Counter(_Scalar):
@@ -133,6 +123,11 @@ class _HistogramChild:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def observe_n(self, value: float, n: int) -> None:
+        """`n` observations of `value` at the cost of one (tokens that arrived together)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
 
 class Histogram(_Metric):
     kind = "histogram"
@@ -160,19 +155,17 @@ class Histogram(_Metric):
         """The unlabelled series, to keep and observe into on a hot path."""
         return self._children[()]
 
-    def render(self) -> list[str]:
-        lines = self._header()
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.help, labels=list(self.labelnames))
+        les = [floatToGoString(b) for b in (*self.bounds, math.inf)]
         for values, child in sorted(self._children.items()):
             cumulative = 0
-            for bound, count in zip((*self.bounds, math.inf), child.counts):
+            buckets: list[tuple[str, float]] = []
+            for le, count in zip(les, child.counts):
                 cumulative += count
-                le = 'le="' + _num(bound) + '"'
-                lines.append(f"{self.name}_bucket{_labels_text(self.labelnames, values, le)} "
-                             f"{cumulative}")
-            suffix = _labels_text(self.labelnames, values)
-            lines.append(f"{self.name}_sum{suffix} {_num(child.sum)}")
-            lines.append(f"{self.name}_count{suffix} {cumulative}")
-        return lines
+                buckets.append((le, cumulative))
+            fam.add_metric(list(values), buckets, child.sum)
+        return fam
 
 
 Samples = Iterable[tuple[Sequence[str], float]]
@@ -190,18 +183,39 @@ class Callback(_Metric):
         self.kind = kind
         self.collect = collect
 
-    def render(self) -> list[str]:
-        lines = self._header()
+    def family(self) -> Metric:
+        fam = _new_family(self.kind, self.name, self.help, self.labelnames)
         for values, value in self.collect():
-            lines.append(f"{self.name}{_labels_text(self.labelnames, values)} {_num(value)}")
-        return lines
+            fam.add_metric(list(values), value)
+        return fam
+
+
+class _Collector:
+    """What prometheus_client's registry calls at scrape time: every metric as a family."""
+
+    def __init__(self, metrics: dict[str, _Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for m in list(self._metrics.values()):
+            yield m.family()
 
 
 class Registry:
-    """Owns a set of metrics and renders them in registration order."""
+    """Owns a set of metrics; `render()` is prometheus_client's text exposition of them (in
+    registration order), plus `process_*` once `add_process_metrics()` was called."""
 
     def __init__(self) -> None:
         self._metrics: dict[str, _Metric] = {}
+        self.prometheus = CollectorRegistry(auto_describe=False)
+        self.prometheus.register(_Collector(self._metrics))
+        self._process = False
+
+    def add_process_metrics(self) -> None:
+        """Add the `process_*` series (CPU, memory, open fds, start time) of this process."""
+        if not self._process:
+            self._process = True
+            ProcessCollector(registry=self.prometheus)
 
     def _add(self, metric: _Metric) -> None:
         if metric.name in self._metrics:
@@ -232,7 +246,4 @@ class Registry:
         return h
 
     def render(self) -> str:
-        lines: list[str] = []
-        for metric in self._metrics.values():
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n" if lines else ""
+        return generate_latest(self.prometheus).decode()
