@@ -266,6 +266,12 @@ class RouterConfig:
                                  "it gets 503", flag="--queue-timeout", type=positive_float)
     prefix_cache_blocks: int = opt(65_536, "prefix policy: prompt block hashes remembered (LRU), "
                                    "per role", type=positive_int)
+    max_migrations: int = opt(2, "most times a request whose worker is lost mid-request is moved "
+                              "to another worker (resumed after the tokens already sent); past "
+                              "it the request fails (0 = never move)", type=non_negative_int)
+    request_timeout_s: float = opt(600.0, "end-to-end deadline of a request in seconds, queue "
+                                   "included: past it the request ends with an error (0 = none)",
+                                   flag="--request-timeout", type=non_negative_float)
 
 
 @dataclass(frozen=True)

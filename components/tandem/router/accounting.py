@@ -65,7 +65,10 @@ class WorkerAccount:
 def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
              num_tokens: int) -> bool:
     """Under the per-worker limits, with enough free pages in its last report for the prompt (a
-    prompt bigger than the whole worker is let through: the worker refuses it itself)."""
+    prompt bigger than the whole worker is let through: the worker refuses it itself). A worker
+    whose last report says it is draining takes nothing."""
+    if getattr(load, "draining", False):
+        return False
     if limits.max_inflight_per_worker and account.num_in_flight >= limits.max_inflight_per_worker:
         return False
     limit = limits.max_pending_prefill_tokens_per_worker

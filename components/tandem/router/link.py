@@ -4,8 +4,11 @@ The link owns the protocol with one worker and nothing else:
 - the handshake: a Hello every heartbeat until the worker answers; a refused one makes the link
   `incompatible` for good;
 - liveness: a worker silent past the heartbeat deadline, or whose connection drops (the channel's
-  `disconnects()`), is marked down at once and every request on it fails with WorkerLost; it comes
-  back up when it answers a Hello again;
+  `disconnects()`), is marked down at once and every request on it fails with WorkerLost (which
+  moves them to other workers: tandem.router.request); it comes back up when it answers a Hello
+  again. Any message counts as a sign of life (deltas, not only load reports), so does one waiting
+  unread, and silence is measured on this loop's own time: when a heartbeat tick comes late (the
+  frontend's loop was blocked), the lateness is not counted against the worker;
 - requests: the legs placed on it (tandem.router.request), routed their deltas; the Generates of the
   legs placed during one event loop pass leave as ONE `Generates` message, and a leg placed and
   ended within that pass never leaves at all;
@@ -122,20 +125,26 @@ class WorkerLink:
             self.on_message(msg)
 
     async def _heartbeat(self) -> None:
+        late = 0.0
         while True:
-            self.tick()
+            self.tick(late)
+            woke = self.clock() + self.heartbeat_interval_s
             await asyncio.sleep(self.heartbeat_interval_s)
+            late = max(0.0, self.clock() - woke)  # how long this loop could not run us
 
     async def _watch(self) -> None:
         async for _ in self.channel.disconnects():
             self.on_disconnected()
 
     # --- inputs -----------------------------------------------------------------------------------
-    def tick(self) -> None:
+    def tick(self, late: float = 0.0) -> None:
         """One heartbeat: Hello until the handshake succeeds; then a load query, or down when the
-        worker has been silent past the deadline."""
+        worker has been silent past the deadline. `late`: seconds this tick came after it was due
+        (the loop was blocked); they are not counted as the worker's silence."""
+        now = self.clock()
+        if late > 0:
+            self.last_seen += late
         if self.state == "up":
-            now = self.clock()
             if self.channel.unread():  # its messages wait for us: we are behind, it is not silent
                 self.last_seen = now
             if now - self.last_seen > self.heartbeat_deadline_s:

@@ -30,7 +30,6 @@ import asyncio
 import logging
 import os
 import secrets
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ from tandem.router.admission import AdmissionQueue
 from tandem.router.discovery import Change
 from tandem.router.link import WorkerChannel, WorkerLink
 from tandem.router.policy import make_policy
-from tandem.router.request import RequestHandle
+from tandem.router.request import RequestHandle, RequestOptions
 from tandem.runtime import errors
 from tandem.runtime.channel import ZmqChannel
 from tandem.runtime.lifecycle import TaskGroup
@@ -63,7 +62,7 @@ class WorkerPool:
                  router: RouterConfig | None = None, *, connect: Connect = zmq_connect,
                  registry: Registry | None = None, **link_options: Any) -> None:
         """`addresses`: the workers known at the start (none is fine when discovery adds them)."""
-        self.frontend_id = frontend_id or f"fe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.frontend_id = frontend_id or f"fe-{os.getpid()}-{secrets.token_hex(8)}"
         self._connect, self._link_options = connect, link_options
         self.links: list[WorkerLink] = []  # every link, leaving ones too, in the order added
         self._leaving: set[str] = set()  # removed: no new requests; closed once they have none
@@ -80,8 +79,8 @@ class WorkerPool:
         for a in addresses:
             self._new_link(a)
         self._register_metrics(self.registry)
-        self._rid_prefix = uuid.uuid4().hex[:12]
-        self._next_rid = 0
+        self.requests = RequestOptions(self.router.max_migrations, self.router.request_timeout_s,
+                                       self.registry)  # migration and deadline (router.request)
 
     @property
     def clients(self) -> list[WorkerLink]:
@@ -237,14 +236,15 @@ class WorkerPool:
                 errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S))
 
     def new_rid(self) -> str:
-        self._next_rid += 1
-        return f"{self._rid_prefix}-{self._next_rid}"
+        """Unguessable: 96 random bits (a peer cannot name another's request)."""
+        return secrets.token_hex(12)
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
         if not self.ready():
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        return RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit)
+        return RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
+                             self.requests)
 
     async def snapshot(self) -> list[dict[str, Any]]:
         loads = await asyncio.gather(*(w.query_load() for w in self.links))

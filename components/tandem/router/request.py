@@ -6,9 +6,25 @@ The handle owns the request's one `DeltaCollector`: only the reading leg's delta
 decode worker's) reach it. Each leg checks its worker's offsets (a gap or an overlap fails the
 request with StreamProtocolError and is counted on the link). A worker's error delta reaches the
 reader as it is: its `ErrorKind` is mapped to an HTTP status by the frontend alone. When either leg
-fails — a prefill error, a lost worker, a refused delta — the request fails through the collector
-and every other unfinished leg is aborted at once. Leaving the handle (`async with`) aborts every
-leg that has not finished, so a client that goes away frees its pages on every worker.
+fails — a prefill error, a refused delta — the request fails through the collector and every other
+unfinished leg is aborted at once. Leaving the handle (`async with`) aborts every leg that has not
+finished, so a client that goes away frees its pages on every worker.
+
+Migration. When a leg is lost with its worker (WorkerLost: the connection dropped, or the worker
+missed its heartbeat deadline), the request moves: its other legs are aborted and it is placed
+again (through the pool's admission, so on surviving workers only; for PD a new prefill + decode
+pair and a new room) as the prompt followed by every completion token already delivered, with
+`max_tokens` (and `min_tokens`) reduced by their number, the same sampling and seed, a fresh leg
+id, and `Generate.resume_offset` telling the engine how many prompt ids are completion tokens (so
+seeded draws and penalties see the same positions as an unbroken run). The new leg's offsets
+start at 0 and are shifted by what was delivered before the collector sees them, so the client's
+stream goes on with no gap and no duplicate. A request moves at most `max_migrations` times, then
+fails with WorkerLost. Errors a worker reports (an error delta: bad request, engine failure, KV
+transfer) are never migrated: only the loss of the worker is.
+
+Deadline. Every request has an end-to-end deadline (`timeout_s` from entry): past it, a request
+that has not finished fails with DeadlineExceeded (504) and its legs are aborted, whatever it was
+waiting for (a worker that never answers, a lost Generates, a migration).
 
 Entering waits for placement (the pool's admission queue); placement itself is synchronous
 (`start`), so the router places a request in one step.
@@ -16,30 +32,74 @@ Entering waits for placement (the pool's admission queue); placement itself is s
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from tandem.router.accounting import Share
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
-from tandem.runtime.wire import Bootstrap, Delta, ErrorKind, Generate, SamplingParams
+from tandem.runtime.metrics import Registry
+from tandem.runtime.wire import Bootstrap, Delta, ErrorKind, Generate, SamplingParams, Usage
 
 if TYPE_CHECKING:
     from tandem.router.link import WorkerLink
+
+log = logging.getLogger("tandem.router")
+
+
+class DeadlineExceeded(errors.TandemError):
+    """The request did not finish within its end-to-end deadline."""
+
+    status = 504
+    type = "timeout"
+    code = "request_timeout"
+
+
+class RequestOptions:
+    """What every request of one pool shares: its limits, and the counters they move."""
+
+    __slots__ = ("max_migrations", "timeout_s", "migrations", "deadlines")
+
+    def __init__(self, max_migrations: int = 2, timeout_s: float = 600.0,
+                 registry: Registry | None = None) -> None:
+        self.max_migrations = max_migrations
+        self.timeout_s = timeout_s  # 0 = no deadline
+        r = registry if registry is not None else Registry()
+        self.migrations = r.counter(
+            "tandem_request_migrations_total",
+            "Requests moved to another worker after theirs was lost mid-request.")
+        self.deadlines = r.counter(
+            "tandem_request_deadline_exceeded_total",
+            "Requests ended because they passed their end-to-end deadline.")
+
+
+_DEFAULT: list[RequestOptions] = []
+
+
+def _default_options() -> RequestOptions:
+    if not _DEFAULT:
+        _DEFAULT.append(RequestOptions())
+    return _DEFAULT[0]
 
 
 class Leg(Share):
     """The request on one worker. `reads`: its deltas are the client's (agg or decode)."""
 
-    __slots__ = ("handle", "link", "rid", "reads", "received", "finished", "over")
+    __slots__ = ("handle", "link", "rid", "reads", "received", "finished", "over", "base")
 
-    def __init__(self, handle: RequestHandle, link: WorkerLink, reads: bool) -> None:
+    def __init__(self, handle: RequestHandle, link: WorkerLink, reads: bool, rid: str,
+                 base: int = 0) -> None:
         super().__init__()
         self.handle = handle
         self.link = link
-        self.rid = handle.rid
+        self.rid = rid
         self.reads = reads
         self.received = 0
+        self.base = base  # completion tokens delivered before this leg (by legs that were lost)
         self.finished = False  # the worker sent the last delta: nothing to abort
         self.over = False  # no more deltas are taken (finished, or failed)
 
@@ -58,7 +118,11 @@ class Leg(Share):
         if fin is not None:
             self.over = self.finished = True
         if self.reads:
-            self.handle.collector.put(d)
+            h = self.handle
+            h.tokens += d.token_ids
+            if self.base:
+                d = h.shifted(d, self.base)
+            h.collector.put(d)
         elif fin == "error":
             self.handle.prefill_failed(d)
         return fin is not None
@@ -71,22 +135,30 @@ class Leg(Share):
 
 
 class RequestHandle:
-    __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "_admit", "_ended")
+    __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
+                 "options", "_admit", "_ended", "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                 admit: Callable[[RequestHandle], Awaitable[Any]]) -> None:
+                 admit: Callable[[RequestHandle], Awaitable[Any]],
+                 options: RequestOptions | None = None) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.collector = DeltaCollector()
         self.legs: tuple[Leg, ...] = ()
+        self.tokens: list[int] = []  # completion tokens delivered to the collector, in order
+        self.migrations = 0
+        self.options = options if options is not None else _default_options()
         self._admit = admit
         self._ended = False  # iteration returned the last delta
+        self._timer: asyncio.TimerHandle | None = None
+        self._moving: asyncio.Task[None] | None = None  # placing it again after a lost worker
+        self._left = False  # released: nothing more is placed
 
     @property
     def received(self) -> int:
-        """Completion tokens the client's leg received."""
-        return self.legs[0].received if self.legs else 0
+        """Completion tokens the client's legs received (every leg, lost ones included)."""
+        return len(self.tokens)
 
     @property
     def placed(self) -> bool:
@@ -98,6 +170,9 @@ class RequestHandle:
         return tuple(leg.link.address for leg in self.legs)
 
     async def __aenter__(self) -> RequestHandle:
+        timeout = self.options.timeout_s
+        if self._timer is None and timeout > 0:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
         if not self.legs:
             await self._admit(self)
         return self
@@ -121,14 +196,23 @@ class RequestHandle:
     def start(self, reader: WorkerLink, prefill: WorkerLink | None = None,
               bootstrap: Bootstrap | None = None) -> None:
         """Place the request: on `reader` alone, or on `reader` (decode) and `prefill` with
-        `bootstrap`. Synchronous; if the second leg cannot start the first is undone."""
-        msg = Generate(self.rid, self.prompt_ids, self.sampling, bootstrap)
-        first = Leg(self, reader, reads=True)
+        `bootstrap`. Synchronous; if the second leg cannot start the first is undone. A request
+        that moved is placed as its prompt plus what was delivered (see the module docstring)."""
+        done = len(self.tokens)
+        rid = self.rid if not self.migrations else f"{self.rid}.{self.migrations}"
+        if done or self.migrations:
+            sp = self.sampling
+            sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done,
+                                         min_tokens=max(0, sp.min_tokens - done))
+            msg = Generate(rid, self.prompt_ids + self.tokens, sp, bootstrap, done)
+        else:
+            msg = Generate(rid, self.prompt_ids, self.sampling, bootstrap)
+        first = Leg(self, reader, True, rid, done)
         reader.start(first, msg)
         if prefill is None:
             self.legs = (first,)
             return
-        second = Leg(self, prefill, reads=False)
+        second = Leg(self, prefill, False, rid, done)
         try:
             prefill.start(second, msg)
         except BaseException:
@@ -137,15 +221,32 @@ class RequestHandle:
         self.legs = (first, second)
 
     def release(self) -> None:
-        """Abort every leg that has not finished. Safe twice."""
+        """Abort every leg that has not finished, stop any move and the deadline. Safe twice."""
+        self._left = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._moving is not None:
+            self._moving.cancel()
+            self._moving = None
         for leg in self.legs:  # (kept afterwards, for `received` and `workers`)
             if not leg.finished:
                 leg.over = True
                 leg.link.end(leg, abort=True)
 
+    def shifted(self, d: Delta, base: int) -> Delta:
+        """A moved request's delta as the client's stream counts: offsets after what earlier
+        legs delivered; usage as if one worker had served it all."""
+        u = d.usage
+        if u is not None:
+            u = Usage(len(self.prompt_ids), u.completion_tokens + base, u.cached_tokens)
+        return msgspec.structs.replace(d, rid=self.rid, offset=d.offset + base, usage=u)
+
     def leg_failed(self, leg: Leg, err: errors.TandemError) -> None:
         if not leg.reads:
             err = type(err)(f"prefill failed: {err.message}", retry_after=err.retry_after)
+        if isinstance(err, errors.WorkerLost) and self._migrate(err):
+            return
         self.collector.fail(err)
         self._abort_others(leg)
 
@@ -155,7 +256,7 @@ class RequestHandle:
         reader = self.legs[0] if self.legs else None
         if reader is None or reader.over:
             return
-        self.collector.put(Delta(self.rid, reader.received, [], "error", None,
+        self.collector.put(Delta(self.rid, len(self.tokens), [], "error", None,
                                  f"prefill failed: {d.error or 'the engine failed'}",
                                  d.error_kind or ErrorKind.ENGINE))
         self._abort_others(None)
@@ -165,3 +266,53 @@ class RequestHandle:
             if leg is not failed and not leg.over:
                 leg.over = True
                 leg.link.end(leg, abort=True)
+
+    # --- migration and the deadline ---------------------------------------------------------------
+    def _migrate(self, err: errors.TandemError) -> bool:
+        """Move the request off a lost worker; False when it may not move (it fails instead)."""
+        if self._left or self.collector.failed or any(leg.reads and leg.finished
+                                                      for leg in self.legs):
+            return False
+        if self.migrations >= self.options.max_migrations:
+            err.message = (f"{err.message}; the request was already moved "
+                           f"{self.migrations} time(s), the most allowed")
+            err.args = (err.message,)
+            return False
+        self._abort_others(None)
+        self.legs = ()
+        self.migrations += 1
+        self.options.migrations.inc()
+        done = len(self.tokens)
+        log.info("request %s: %s; moving it with %d token(s) delivered (move %d)", self.rid,
+                 err.message, done, self.migrations)
+        if done >= self.sampling.max_tokens:  # every token arrived, only the finish was lost
+            self.collector.put(Delta(self.rid, done, [], "length",
+                                     Usage(len(self.prompt_ids), done)))
+            return True
+        self._moving = asyncio.get_running_loop().create_task(self._place_again(err))
+        return True
+
+    async def _place_again(self, lost: errors.TandemError) -> None:
+        try:
+            await self._admit(self)
+        except errors.TandemError as e:
+            self.collector.fail(errors.WorkerLost(
+                f"{lost.message}; no worker could take the request over: {e.message}",
+                retry_after=e.retry_after))
+        finally:
+            if self._moving is asyncio.current_task():
+                self._moving = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._left or self.collector.failed or any(leg.reads and leg.finished
+                                                      for leg in self.legs):
+            return
+        self.options.deadlines.inc()
+        if self._moving is not None:
+            self._moving.cancel()
+            self._moving = None
+        self.collector.fail(DeadlineExceeded(
+            f"The request did not finish within {self.options.timeout_s:g}s "
+            "(--request-timeout)."))
+        self._abort_others(None)

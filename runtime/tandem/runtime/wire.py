@@ -108,6 +108,11 @@ class Generate(_Msg):
     prompt_ids: list[int]
     sampling: SamplingParams
     bootstrap: Bootstrap | None = None
+    # A migrated request (its worker was lost mid-stream): the last `resume_offset` ids of
+    # `prompt_ids` are completion tokens already delivered. The engine counts them as completion
+    # (positions keyed for seeded draws, penalties, the mock's tokens start at this position), so
+    # the rest of the completion is what an unbroken run would have produced.
+    resume_offset: int = 0
 
 
 class Delta(_Msg):

@@ -1,0 +1,233 @@
+"""The router's fault handling without sockets (WorkerLinks over in-memory channels): a request
+whose worker is lost moves to a survivor (prompt + delivered tokens, offsets shifted, bounded
+moves, counted), a worker's own error does not move it, the end-to-end deadline, liveness that
+does not blame a worker for the frontend's blocked loop, draining workers skipped, random ids."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from tandem.router.request import DeadlineExceeded, RequestHandle
+from tandem.router.pool import WorkerPool
+from tandem.runtime import errors, wire
+from tandem.runtime.wire import (Abort, Delta, Deltas, ErrorKind, Generate, Generates, Load,
+                                 LoadQuery, LoadReport, SamplingParams, Usage)
+from tests.fakes import MemoryWorkers, memory_pool
+
+SP = SamplingParams(max_tokens=6, seed=7, min_tokens=3)
+PROMPT = [1, 2, 3]
+
+
+def generates(workers: MemoryWorkers, address: str) -> list[Generate]:
+    return [g for m in workers.sent(address) if isinstance(m, Generates) for g in m.items]
+
+
+def aborts(workers: MemoryWorkers, address: str) -> list[str]:
+    return [r for m in workers.sent(address) if isinstance(m, Abort) for r in m.rids]
+
+
+async def placed(pool: WorkerPool, sp: SamplingParams = SP) -> RequestHandle:
+    h = pool.open(list(PROMPT), sp)
+    await asyncio.wait_for(h.__aenter__(), 2)
+    await asyncio.sleep(0)  # the Generates of this loop pass leave
+    return h
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def metric(pool: WorkerPool, name: str) -> float:
+    for line in pool.registry.render().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def test_agg_request_moves_to_a_survivor_with_no_gap_and_no_duplicate() -> None:
+    pool, workers = memory_pool(["agg", "agg"])
+    w0, w1 = pool.links
+    h = await placed(pool)
+    assert h.workers == (w0.address,)
+    w0.on_deltas(Deltas([Delta(h.rid, 0, [10, 11])]))
+    first = await h.__anext__()
+    assert (first.offset, first.token_ids) == (0, [10, 11])
+    w0.on_disconnected()  # the worker died mid-stream
+    await settle()
+    [g] = generates(workers, w1.address)
+    assert g.prompt_ids == PROMPT + [10, 11] and g.resume_offset == 2
+    assert (g.sampling.max_tokens, g.sampling.min_tokens, g.sampling.seed) == (4, 1, 7)
+    assert g.rid != h.rid and h.workers == (w1.address,)
+    w1.on_deltas(Deltas([Delta(g.rid, 0, [12])]))
+    w1.on_deltas(Deltas([Delta(g.rid, 1, [13, 14, 15], "length", Usage(5, 4))]))
+    rest = [d async for d in h]
+    assert [(d.offset, d.token_ids) for d in rest] == [(2, [12, 13, 14, 15])]
+    assert rest[-1].finish_reason == "length" and rest[-1].rid == h.rid
+    assert rest[-1].usage == Usage(3, 6)  # as if one worker had served it all
+    await h.__aexit__(None, None, None)
+    assert w1.num_in_flight == 0 and aborts(workers, w1.address) == []
+    assert metric(pool, "tandem_request_migrations_total") == 1
+
+
+async def test_moves_are_bounded_then_the_request_fails_clearly() -> None:
+    pool, workers = memory_pool(["agg"] * 3, max_migrations=1)
+    w0, w1, _ = pool.links
+    h = await placed(pool)
+    w0.on_disconnected()
+    await settle()
+    assert len(h.workers) == 1 and h.workers[0] != w0.address
+    pool.link(h.workers[0]).on_disconnected()  # type: ignore[union-attr]
+    with pytest.raises(errors.WorkerLost, match="moved 1 time"):
+        await asyncio.wait_for(h.__anext__(), 2)
+    await h.__aexit__(None, None, None)
+
+
+async def test_no_moves_when_max_migrations_is_zero() -> None:
+    pool, workers = memory_pool(["agg", "agg"], max_migrations=0)
+    h = await placed(pool)
+    pool.links[0].on_disconnected()
+    with pytest.raises(errors.WorkerLost):
+        await asyncio.wait_for(h.__anext__(), 2)
+    assert generates(workers, pool.links[1].address) == []
+
+
+async def test_an_engine_error_is_not_moved() -> None:
+    pool, workers = memory_pool(["agg", "agg"])
+    w0, w1 = pool.links
+    h = await placed(pool)
+    w0.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="bad", error_kind=ErrorKind.ENGINE)]))
+    d = await h.__anext__()
+    assert d.finish_reason == "error" and d.error_kind == ErrorKind.ENGINE
+    await settle()
+    assert generates(workers, w1.address) == []
+    assert metric(pool, "tandem_request_migrations_total") == 0
+
+
+async def test_pd_decode_lost_moves_to_a_new_pair_with_a_new_room() -> None:
+    pool, workers = memory_pool(["prefill", "decode", "decode"])
+    p, d0, d1 = pool.links
+    h = await placed(pool)
+    assert h.workers == (d0.address, p.address)
+    [g0] = generates(workers, p.address)
+    p.on_deltas(Deltas([Delta(h.rid, 0, [10], "length", Usage(3, 1))]))  # prefill done
+    d0.on_deltas(Deltas([Delta(h.rid, 0, [10, 11, 12])]))
+    assert (await h.__anext__()).token_ids == [10, 11, 12]
+    d0.on_disconnected()
+    await settle()
+    [g1] = generates(workers, d1.address)
+    assert generates(workers, p.address)[1:] == [g1]  # the same Generate to the new pair
+    assert g1.prompt_ids == PROMPT + [10, 11, 12] and g1.resume_offset == 3
+    assert g1.bootstrap is not None and g0.bootstrap is not None
+    assert g1.bootstrap.room != g0.bootstrap.room
+    p.on_deltas(Deltas([Delta(g1.rid, 0, [13], "length", Usage(6, 1))]))
+    d1.on_deltas(Deltas([Delta(g1.rid, 0, [13, 14, 15], "length", Usage(6, 3))]))
+    rest = [x async for x in h]
+    assert [(x.offset, x.token_ids) for x in rest] == [(3, [13, 14, 15])]
+    await h.__aexit__(None, None, None)
+    assert p.num_in_flight == d1.num_in_flight == 0
+
+
+async def test_pd_prefill_lost_before_any_token_moves_too() -> None:
+    pool, workers = memory_pool(["prefill", "prefill", "decode"])
+    p0, p1, d = pool.links
+    h = await placed(pool)
+    assert h.workers == (d.address, p0.address)
+    p0.on_disconnected()
+    await settle()
+    assert aborts(workers, d.address) == [h.rid]  # the old decode leg is let go
+    [g] = generates(workers, p1.address)
+    assert g.prompt_ids == PROMPT and g.resume_offset == 0 and g.sampling.max_tokens == 6
+    assert g.rid != h.rid and h.workers == (d.address, p1.address)
+    await h.__aexit__(None, None, None)
+    assert aborts(workers, p1.address) == [g.rid]
+
+
+async def test_a_request_that_gets_nothing_fails_at_its_deadline_and_is_aborted() -> None:
+    pool, workers = memory_pool(["agg"], request_timeout_s=0.05)
+    h = await placed(pool)  # the worker never answers (a Generates lost on the way)
+    with pytest.raises(DeadlineExceeded, match="did not finish within 0.05s"):
+        await asyncio.wait_for(h.__anext__(), 2)
+    assert aborts(workers, pool.links[0].address) == [h.rid]
+    assert pool.links[0].num_in_flight == 0
+    assert metric(pool, "tandem_request_deadline_exceeded_total") == 1
+    await h.__aexit__(None, None, None)
+
+
+async def test_a_finished_request_is_not_failed_by_its_deadline() -> None:
+    pool, workers = memory_pool(["agg"], request_timeout_s=0.05)
+    h = await placed(pool)
+    pool.links[0].on_deltas(Deltas([Delta(h.rid, 0, [5], "length", Usage(3, 1))]))
+    await asyncio.sleep(0.1)
+    assert [d.token_ids async for d in h] == [[5]]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def up_pool(clock: Clock) -> tuple[WorkerPool, MemoryWorkers]:
+    workers = MemoryWorkers()
+    pool = WorkerPool(["tcp://w0"], "fe-1", connect=workers.connect, clock=clock,
+                      heartbeat_interval_s=0.5, heartbeat_deadline_s=3.0)
+    pool.links[0].on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, wire.WorkerInfo(
+        "w0", "agg", "mock", "m", 4, 10, 100)))
+    return pool, workers
+
+
+def test_a_blocked_frontend_loop_does_not_make_a_live_worker_dead() -> None:
+    clock = Clock()
+    pool, _ = up_pool(clock)
+    link = pool.links[0]
+    clock.now += 10.0  # the frontend's loop was blocked 10 s: the tick comes 9.5 s late
+    link.tick(late=9.5)
+    assert link.state == "up"
+    clock.now += 0.5
+    link.tick()
+    assert link.state == "up"
+    for _ in range(6):  # then really silent for 3+ s of running loop: down
+        clock.now += 0.5
+        link.tick()
+    assert link.state == "down"
+
+
+async def test_any_message_is_a_heartbeat() -> None:
+    clock = Clock()
+    pool, workers = up_pool(clock)
+    link = pool.links[0]
+    for _ in range(20):  # 10 s with deltas only (no load report): alive
+        clock.now += 0.5
+        link.on_message(Deltas([]))
+        link.tick()
+    assert link.state == "up"
+    assert isinstance(workers.sent(link.address)[-1], LoadQuery)
+
+
+async def test_a_draining_worker_gets_no_new_request() -> None:
+    pool, workers = memory_pool(["agg", "agg"])
+    w0, w1 = pool.links
+    w0.on_message(LoadReport(0, Load(pages_free=100, pages_total=100, draining=True)))
+    hs = [await placed(pool) for _ in range(4)]
+    assert all(h.workers == (w1.address,) for h in hs)
+    assert generates(workers, w0.address) == []
+    for h in hs:
+        await h.__aexit__(None, None, None)
+
+
+async def test_request_ids_and_rooms_are_random() -> None:
+    pool, workers = memory_pool(["prefill", "decode"])
+    hs = [await placed(pool) for _ in range(3)]
+    rids = [h.rid for h in hs]
+    assert all(re.fullmatch(r"[0-9a-f]{24}", r) for r in rids) and len(set(rids)) == 3
+    rooms = [g.bootstrap.room for g in generates(workers, pool.links[0].address)
+             if g.bootstrap is not None]
+    assert len(set(rooms)) == 3
+    for h in hs:
+        await h.__aexit__(None, None, None)
