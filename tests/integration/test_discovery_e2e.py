@@ -207,8 +207,8 @@ async def test_dns_workers_added_and_removed_while_streaming(tiny_model: str,
               f"killed worker); added worker serving after {added_after:.1f}s, removed one "
               f"dropped after {removed_after:.1f}s")
         assert len(failed) <= may_fail, [o.error for o in failed]
-        for o in failed:  # clear errors, all about the lost worker
-            assert o.status == 200 and o.done and "worker" in o.error, o
+        for o in failed:  # clear errors, all about the lost worker: mid-stream, or before a token
+            assert (o.status == 200 and o.done or o.status == 502) and "worker" in o.error, o
         assert all(o.completion_tokens == MAX_TOKENS and o.finish == "length" for o in ok)
         assert len(ok) >= 20
         rows = await until("every page free", lambda: _idle(url), 10)
