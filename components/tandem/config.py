@@ -297,6 +297,16 @@ class FrontendConfig(Common):
     log_stats_interval_s: float = opt(10.0, "seconds between the one-line throughput and queue "
                                       "summaries in the log (0 = none)",
                                       flag="--log-stats-interval", type=non_negative_float)
+    max_connections: int = opt(10_000, "most open HTTP connections; one past it gets 503 and is "
+                               "closed at once (uvicorn)", type=positive_int)
+    http_header_timeout_s: float = opt(10.0, "seconds a connection may take to send a request's "
+                                       "head before it gets 408 and is closed (uvicorn)",
+                                       flag="--http-header-timeout", type=positive_float)
+    http_idle_timeout_s: float = opt(30.0, "seconds an idle keep-alive connection stays open "
+                                     "(uvicorn)", flag="--http-idle-timeout", type=positive_float)
+    http_body_timeout_s: float = opt(60.0, "seconds a request's body may take to arrive before "
+                                     "the request gets 408", flag="--http-body-timeout",
+                                     type=positive_float)
     router: RouterConfig = opt(RouterConfig(), "router flags")
 
 

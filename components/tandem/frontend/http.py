@@ -36,6 +36,12 @@ class PayloadTooLarge(errors.TandemError):
     type = "invalid_request_error"
 
 
+class RequestTimeout(errors.TandemError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class MethodNotAllowed(errors.TandemError):
     status = 405
     type = "invalid_request_error"
@@ -63,7 +69,22 @@ def error_of(d: Delta) -> errors.TandemError:
     return err
 
 
-async def read_body(receive: Receive, max_bytes: int) -> bytes:
+BODY_TIMEOUT_S = [60.0]  # the body's deadline; the server sets it from --http-body-timeout
+
+
+async def read_body(receive: Receive, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The request body: PayloadTooLarge (413) past `max_bytes`, RequestTimeout (408) when it has
+    not all arrived within `timeout_s` (BODY_TIMEOUT_S when not given), ClientGone if the client
+    left."""
+    deadline = timeout_s if timeout_s is not None else BODY_TIMEOUT_S[0]
+    try:
+        async with asyncio.timeout(deadline if deadline > 0 else None):
+            return await _read_body(receive, max_bytes)
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {deadline:g}s.") from None
+
+
+async def _read_body(receive: Receive, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -30,7 +30,9 @@ import logging
 import socket
 from typing import Literal, Protocol
 
+from tandem.frontend import http
 from tandem.frontend.app import FrontendApp, Pool
+from tandem.frontend.limits import HttpLimits, guarded_protocol, raise_fd_limit
 from tandem.frontend.preprocess import Preprocessor
 from tandem.config import DRAIN_TIMEOUT_S, FrontendConfig
 
@@ -69,7 +71,8 @@ class UvicornServer:
     """The app on uvicorn's httptools protocol. `await start()`, then `port`; `await stop()`."""
 
     def __init__(self, app: FrontendApp, host: str, port: int,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False,
+                 limits: HttpLimits | None = None):
         import uvicorn
 
         self.app = app
@@ -77,10 +80,14 @@ class UvicornServer:
         self.drain_timeout_s = drain_timeout_s
         self.reuse_port = reuse_port
         self._requested_port = port
+        lim = limits or HttpLimits()  # connection cap, head/idle deadlines (tandem.frontend.limits)
+        lim = HttpLimits(raise_fd_limit(lim.max_connections), lim.header_timeout_s,
+                         lim.idle_timeout_s, lim.body_timeout_s, lim.max_header_bytes)
         self._config = uvicorn.Config(
-            app, http="httptools", ws="none", loop="none", lifespan="off", interface="asgi3",
-            access_log=False, log_level="warning", server_header=False,
-            timeout_graceful_shutdown=1, timeout_keep_alive=30, backlog=4096)
+            app, http=guarded_protocol(lim), ws="none", loop="none", lifespan="off",
+            interface="asgi3", access_log=False, log_level="warning", server_header=False,
+            timeout_graceful_shutdown=1, timeout_keep_alive=max(1, round(lim.idle_timeout_s)),
+            backlog=4096)
         self._server: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
         self._port = 0
@@ -185,13 +192,14 @@ class GranianServer:
 
 
 def make_server(app: FrontendApp, host: str, port: int, backend: Backend = DEFAULT_BACKEND,
-                drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False) -> HttpServer:
+                drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False,
+                limits: HttpLimits | None = None) -> HttpServer:
     if backend == "granian":
         if reuse_port:  # granian's embedded server binds its own socket, without SO_REUSEPORT
             raise ValueError("--reuse-port needs --http-server uvicorn")
         return GranianServer(app, host, port, drain_timeout_s)
     if backend == "uvicorn":
-        return UvicornServer(app, host, port, drain_timeout_s, reuse_port)
+        return UvicornServer(app, host, port, drain_timeout_s, reuse_port, limits)
     raise ValueError(f"unknown HTTP backend {backend!r}")
 
 
@@ -201,8 +209,11 @@ async def serve(config: FrontendConfig, pool: Pool, stop: asyncio.Event, *,
     """Serve the OpenAI API for `pool` on `config.host:config.port` until `stop` is set (by
     tandem.runtime.lifecycle.run, on SIGTERM/SIGINT); then drain and return."""
     app = FrontendApp(config, pool, preprocessor or Preprocessor.from_config(config))
+    limits = HttpLimits(config.max_connections, config.http_header_timeout_s,
+                        config.http_idle_timeout_s, config.http_body_timeout_s)
+    http.BODY_TIMEOUT_S[0] = config.http_body_timeout_s
     server = make_server(app, config.host, config.port, backend, config.drain_timeout_s,
-                         config.reuse_port)
+                         config.reuse_port, limits)
     try:
         await server.start()
         log.info("serving %s on http://%s:%d (%s)", app.model_name, config.host, server.port,

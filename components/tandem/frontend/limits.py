@@ -1,0 +1,124 @@
+"""HTTP connection limits for the uvicorn backend: no client holds a descriptor or a buffer forever.
+
+uvicorn closes a connection that stays idle after a response (`timeout_keep_alive`), but not one
+that never completes its request head: a client that connects and sends nothing, or trickles its
+headers, would keep its descriptor for good, and 20,000 of them exhaust the process's. The
+protocol here (uvicorn's httptools protocol, extended) adds:
+
+- a connection cap (`max_connections`): a connection past it gets a 503 with an OpenAI error body
+  and is closed at once, so descriptors stay bounded whatever clients do;
+- a header deadline (`header_timeout_s`) from the connection's start, or from the first byte of
+  each later request on it, to the end of the request head: past it, 408 and close;
+- a cap on the request head's size (`max_header_bytes`): past it, 431 and close.
+
+The body has its own deadline and size cap, checked where it is read (tandem.frontend.http
+`read_body`: 408 and 413). `raise_fd_limit` lifts the soft descriptor limit toward the hard one so
+the cap, not the kernel, is what refuses connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("tandem.frontend")
+FD_RESERVE = 1024  # descriptors kept for worker sockets, logs and the rest
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    max_connections: int = 10_000
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0  # keep-alive: idle between requests
+    body_timeout_s: float = 60.0
+    max_header_bytes: int = 64 * 1024
+
+
+def _reply(status: int, reason: str, message: str, type_: str) -> bytes:
+    body = msgspec.json.encode({"error": {"message": message, "type": type_, "param": None,
+                                          "code": None}})
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+BUSY = _reply(503, "Service Unavailable", "Too many open connections.", "service_unavailable")
+SLOW = _reply(408, "Request Timeout", "The request head did not arrive in time.",
+              "invalid_request_error")
+BIG = _reply(431, "Request Header Fields Too Large", "The request head is too large.",
+             "invalid_request_error")
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Lift the soft RLIMIT_NOFILE toward `wanted` + FD_RESERVE (at most the hard limit); return
+    how many connections the limit leaves room for."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    room = wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft - FD_RESERVE))
+    if room < wanted:
+        log.warning("open-file limit %d leaves room for %d HTTP connections, not %d", soft, room,
+                    wanted)
+    return room
+
+
+def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with the limits above (pass it as `uvicorn.Config(http=)`)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class Guarded(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                self._refuse(BUSY)
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and not self.transport.is_closing() and (
+                    self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first bytes of a next request on a kept-alive connection
+            if self._head_timer is not None:
+                self._head_bytes += len(data)
+                if self._head_bytes > limits.max_header_bytes:
+                    self._refuse(BIG)
+                    return
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(limits.header_timeout_s, self._refuse, SLOW)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _refuse(self, reply: bytes) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.write(reply)
+                self.transport.close()
+
+    return Guarded
