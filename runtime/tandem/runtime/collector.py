@@ -49,17 +49,10 @@ class DeltaCollector:
                 self._signal()
             return
         if not self._owned:  # first merge: copy, so the caller's delta is never mutated
-            p = self._delta = Delta(p.rid, p.offset, p.token_ids + delta.token_ids,
-                                    delta.finish_reason, delta.usage or p.usage, delta.error,
-                                    delta.error_kind)
+            self._delta = p.joined(delta)  # (tokens and their logprobs, if any)
             self._owned = True
             return
-        p.token_ids += delta.token_ids
-        p.finish_reason = delta.finish_reason
-        if delta.usage is not None:
-            p.usage = delta.usage
-        p.error = delta.error
-        p.error_kind = delta.error_kind
+        p.extend(delta)
 
     def fail(self, err: BaseException) -> None:
         """End the request with `err` (the first failure wins), after what is pending."""
