@@ -9,6 +9,10 @@ a deadline, then SIGKILL. `wait_ready()` reports progress while workers come up,
 (with the child's name and exit code) if one dies, and checks through the frontend's `/workers`
 that the workers it reached are the ones this cluster started: a port taken by another cluster
 never goes unnoticed. A child stays restartable from its plan entry (`LocalCluster.restart`).
+
+`LocalCluster.supervise(policy)`, called in a loop, does what an orchestrator would: a dead worker
+is started again on its ports (frontends reconnect by themselves) within `RestartPolicy`'s rate; a
+dead frontend, or a worker dying faster than that, is a `LaunchError`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -200,7 +205,7 @@ def spawn(name: str, argv: Sequence[str], *, log_dir: str = "", env: Mapping[str
         p = subprocess.Popen(cmd, env=env, start_new_session=own_session)
         return Proc(name, p, address)
     log_path = os.path.join(log_dir, f"{name}.log")
-    with open(log_path, "wb") as out:
+    with open(log_path, "ab") as out:  # (a restarted child's log follows its predecessor's)
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                              start_new_session=own_session)
     return Proc(name, p, address, log_path)
@@ -303,6 +308,24 @@ def _workers_up(url: str, expected: Sequence[str]) -> tuple[str, ...]:
 
 
 @dataclass
+class RestartPolicy:
+    """How often a worker may be restarted: at most `max_restarts` within any `window_s`."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    history: dict[str, deque[float]] = field(default_factory=dict)
+
+    def allow(self, name: str, now: float) -> bool:
+        times = self.history.setdefault(name, deque())
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        if len(times) >= self.max_restarts:
+            return False
+        times.append(now)
+        return True
+
+
+@dataclass
 class LocalCluster:
     """The processes of one plan: started, watched, stopped (and restartable one by one)."""
 
@@ -355,6 +378,20 @@ class LocalCluster:
 
     def exited(self) -> list[Proc]:
         return exited(self.procs.values())
+
+    def supervise(self, policy: RestartPolicy) -> list[str]:
+        """Restart each dead worker, one line each (module docstring); LaunchError if not."""
+        lines = []
+        workers = {c.name for c in self.plan.workers}
+        for p in self.exited():
+            if p.name not in workers:
+                raise LaunchError(describe_exit(p))
+            if not policy.allow(p.name, time.monotonic()):
+                raise LaunchError(f"{describe_exit(p)}\n{p.name} died {policy.max_restarts} "
+                                  f"times within {policy.window_s:g}s: not restarting it")
+            lines.append(f"{describe_exit(p).split(';')[0]}; restarted it on its port "
+                         f"(pid {self.restart(p.name).pid})")
+        return lines
 
     def stop(self, timeout: float = 15.0) -> None:
         """Frontends first (they drain their clients), then workers."""

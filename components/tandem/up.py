@@ -8,9 +8,11 @@ nothing is declared twice, and a new worker flag reaches `up`'s children with no
 
 Then: plan the processes, check every port is free (before anything says "serving"), start them in
 their own sessions (Ctrl-C reaches only us), show progress while workers come up, print the URL and
-a sample `curl`, optionally stream a demo answer, and supervise: a child that dies is reported with
-its exit status and the cluster stops. Ctrl-C or SIGTERM stops every child (SIGTERM, the drain
-deadline, then SIGKILL).
+a sample `curl`, optionally stream a demo answer, and supervise as an orchestrator would
+(`LocalCluster.supervise`): a worker that dies is reported and started again on its port, at most
+RESTARTS times per RESTART_WINDOW_S, while the rest of the cluster keeps serving; a frontend that
+dies (or a worker that keeps dying) is reported with its exit status and the cluster stops.
+Ctrl-C or SIGTERM stops every child (SIGTERM, the drain deadline, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded
 PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port")
 PER_FRONTEND = ("port", "workers", "reuse_port")
 DEMO_MAX_TOKENS = 48
+RESTARTS, RESTART_WINDOW_S = 5, 60.0  # a worker restarted more often than this stops the cluster
 
 
 def worker_flags() -> list[flags.Flag]:
@@ -160,11 +163,13 @@ def run_up(cfg: UpConfig, fwd: Forwarded) -> int:
         print("Press Ctrl-C to stop.", flush=True)
         if cfg.demo:
             stream_demo(plan.url, fwd.served_model_name)
+        policy = launcher.RestartPolicy(RESTARTS, RESTART_WINDOW_S)
         while True:
-            dead = cluster.exited()
-            if dead:
-                print(f"tandem up: {launcher.describe_exit(dead[0])}; stopping the cluster",
-                      file=sys.stderr)
+            try:
+                for line in cluster.supervise(policy):
+                    print(f"tandem up: {line}", file=sys.stderr, flush=True)
+            except launcher.LaunchError as e:
+                print(f"tandem up: {e}; stopping the cluster", file=sys.stderr)
                 return 1
             time.sleep(0.2)
     except launcher.LaunchError as e:

@@ -6,6 +6,8 @@ path). It answers:
 - `GET /live`   -> 200 while the process's event loop answers at all;
 - `GET /health` -> 200 when the `ready()` callable says the worker is ready (engine started,
   sockets bound, not draining), else 503 with a short JSON body saying why;
+- `GET /metrics` -> 200 with the `metrics()` callable's Prometheus text, when one was given (the
+  worker's protocol-error counters, tandem.worker.metrics);
 - any other path -> 404; any method other than GET or HEAD -> 405 (with `Allow`).
 
 Each connection carries one request and is then closed (`Connection: close`): probes open a fresh
@@ -37,8 +39,10 @@ class HealthServer:
 
     def __init__(self, ready: Ready, host: str = "127.0.0.1", port: int = 0, *,
                  max_header_bytes: int = MAX_HEADER_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 metrics: Callable[[], str] | None = None) -> None:
         self.ready = ready
+        self.metrics = metrics
         self.host = host
         self._port = port
         self.max_header_bytes = max_header_bytes
@@ -125,13 +129,16 @@ class HealthServer:
             return await self._send(writer, HTTPStatus.BAD_REQUEST, {"error": "bad request line"})
         method, target, _ = parts
         path = target.split("?", 1)[0]
-        if path not in ("/live", "/health"):
+        served = ("/live", "/health", *(("/metrics",) if self.metrics is not None else ()))
+        if path not in served:
             return await self._send(writer, HTTPStatus.NOT_FOUND, {"error": "not found"},
                                     head_only=method == "HEAD")
         if method not in ("GET", "HEAD"):
             return await self._send(writer, HTTPStatus.METHOD_NOT_ALLOWED,
                                     {"error": "method not allowed"}, extra="Allow: GET, HEAD\r\n")
         head_only = method == "HEAD"
+        if path == "/metrics" and self.metrics is not None:
+            return await self._send_text(writer, self.metrics(), head_only)
         if path == "/live":
             return await self._send(writer, HTTPStatus.OK, {"status": "live"}, head_only=head_only)
         ok, reason = self._check()
@@ -162,6 +169,15 @@ class HealthServer:
         if isinstance(got, tuple):
             return bool(got[0]), str(got[1])
         return bool(got), "" if got else "not ready"
+
+    @staticmethod
+    async def _send_text(writer: asyncio.StreamWriter, text: str, head_only: bool) -> None:
+        payload = text.encode()
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                f"Content-Length: {len(payload)}\r\nCache-Control: no-store\r\n"
+                f"Connection: close\r\n\r\n")
+        writer.write(head.encode("latin-1") + (b"" if head_only else payload))
+        await writer.drain()
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, status: HTTPStatus, body: dict[str, str], *,

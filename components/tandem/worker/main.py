@@ -1,6 +1,10 @@
 """`tandem worker`: build the engine (with its side of the KV handoff, for PD roles), serve it,
 drain on SIGTERM, free everything, exit. The worker knows no engine internals: the factory builds
-the engine complete, and the engine announces its bootstrap address once started."""
+the engine complete, and the engine announces its bootstrap address once started (on the address
+other processes reach it at, `--advertise-host`; KV transfers are kept on that address's network
+interface, tandem.kv.net). The health port serves `/live`, `/health` (not ready from the first
+moment of a drain) and `/metrics` (tandem.worker.metrics). A supervised task that dies ends the
+process with status 1 (tandem.runtime.lifecycle)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ import os
 
 from tandem.config import WorkerConfig
 from tandem.engines.factory import make_engine
+from tandem.kv.net import bind_ucx_to
 from tandem.runtime import auth, lifecycle, transport
 from tandem.runtime.wire import WorkerInfo
 from tandem.worker.health import HealthServer
+from tandem.worker.metrics import worker_registry
 from tandem.worker.server import WorkerServer
 
 log = logging.getLogger("tandem.worker")
@@ -27,15 +33,22 @@ async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     # without them, nothing binds beyond loopback.
     transport.use_keys(auth.load_keys(cfg.auth_keys) if cfg.auth_keys else None)
     name = cfg.name or f"{cfg.role}-{cfg.engine}-{cfg.port}-{os.getpid()}"
+    if cfg.role in ("prefill", "decode"):
+        bind_ucx_to(cfg.reach_host)  # before any transfer agent (or engine subprocess) exists
     engine = make_engine(cfg, name)
     server: WorkerServer | None = None
 
     def ready() -> tuple[bool, str]:
+        if stop.is_set():  # from the signal on, before the drain's first step
+            return False, "draining"
         if server is None:
             return False, "starting"
         return (True, "") if server.ready else (False, "draining")
 
-    health = HealthServer(ready, cfg.host, cfg.health_port) if cfg.health_port else None
+    metrics = worker_registry(lambda: server.num_requests if server else 0,
+                              lambda: server.draining if server else False)
+    health = HealthServer(ready, cfg.host, cfg.health_port,
+                          metrics=metrics.render) if cfg.health_port else None
     try:
         if health is not None:
             await health.start()

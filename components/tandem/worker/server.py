@@ -11,7 +11,15 @@ last delta carries the wire ErrorKind of its EngineError (`err.kind`).
 An `Abort`, a frontend that goes away or stays silent while owing credit, or the end of the drain
 cancels a request through its handle, which frees its pages. Draining (on stop): no new work is
 taken; in-flight requests get the drain deadline to finish, then end with an error; what the
-outboxes hold is sent past the window before the socket closes.
+outboxes hold is sent past the window before the socket closes. From the moment draining starts,
+every `Load` the worker reports says `draining`, so routers stop placing work here.
+
+Nothing a peer sends can end the receive loop or reach the engine unchecked: undecodable frames
+are dropped by the transport; a `Generate` that fails tandem.worker.validate gets an error delta
+(BAD_REQUEST) and never reaches the engine; a `Credit` that is not positive is ignored (one above
+what is in flight is clamped); an `Abort` only ends requests the same connection (ZMQ identity)
+sent; a handler that still fails on some input drops that one message. Each is counted in `transport.protocol_errors` ("worker", what). The receive loop and the
+reaper are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 
+import msgspec
 import zmq
 
 from tandem.config import WorkerConfig
@@ -36,12 +45,14 @@ from tandem.runtime.wire import (
     Generates,
     Hello,
     HelloReply,
+    Load,
     LoadQuery,
     LoadReport,
     WorkerInfo,
 )
 from tandem.worker.deltas import DeltaMaker
 from tandem.worker.frontends import Frontends
+from tandem.worker.validate import MAX_RID_CHARS, Limits, check_generate
 
 log = logging.getLogger("tandem.worker")
 
@@ -58,7 +69,10 @@ class WorkerServer:
         self.cfg = cfg
         self.engine = engine
         self.info = info
-        self.frontends = Frontends(cfg.delta_window, cfg.delta_batch, self._send, engine.load)
+        self.frontends = Frontends(cfg.delta_window, cfg.delta_batch, self._send, self.load)
+        spec = getattr(engine, "spec", None)
+        self.limits = Limits(getattr(spec, "vocab_size", 0) or 0,
+                             getattr(spec, "max_context", 0) or 0)
         self._sock: zmq.asyncio.Socket | None = None
         self._requests: dict[str, _Request] = {}
         self._draining = False
@@ -78,11 +92,20 @@ class WorkerServer:
         """Serving and taking work (bound, not draining)."""
         return self._sock is not None and not self._draining
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def load(self) -> Load:
+        """The engine's load, marked `draining` once the worker takes no new work."""
+        load = self.engine.load()
+        return msgspec.structs.replace(load, draining=True) if self._draining else load
+
     async def run(self, stop: asyncio.Event) -> None:
         self._sock = transport.router(self.address)
         log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
                  self.info.engine, self.address)
-        tasks = TaskGroup()
+        tasks = TaskGroup(supervised=True)  # without these the worker is useless: a death is fatal
         tasks.spawn(self._recv_loop(), name="worker-recv")
         tasks.spawn(self._reap_silent_frontends(), name="worker-reaper")
         try:
@@ -154,23 +177,40 @@ class WorkerServer:
     async def _recv_loop(self) -> None:
         assert self._sock is not None
         async for ident, msg in transport.router_messages(self._sock, wire.TO_WORKER, log):
-            self.frontends.heard(ident)
-            if isinstance(msg, Credit):
-                self.frontends.credit(ident, msg.n)
-                if self._draining:
-                    self._progress.set()
-            elif isinstance(msg, Generates):
-                for g in msg.items:
-                    self._on_generate(ident, g)
-            elif isinstance(msg, Abort):
-                for rid in msg.rids:
-                    r = self._requests.pop(rid, None)
-                    if r is not None:
-                        r.handle.cancel()  # frees the pages; the frontend already knows
-            elif isinstance(msg, LoadQuery):
-                self._send(ident, LoadReport(msg.seq, self.engine.load()))
-            elif isinstance(msg, Hello):
-                self._on_hello(ident, msg)
+            try:
+                self._dispatch(ident, msg)
+            except Exception as e:  # a handler that fails on some input drops only that message
+                transport.refused("worker", f"handler failed on {type(msg).__name__}", log,
+                                  repr(e))
+
+    def _dispatch(self, ident: bytes, msg: wire.ToWorker) -> None:
+        self.frontends.heard(ident)
+        if isinstance(msg, Credit):
+            self._on_credit(ident, msg.n)
+        elif isinstance(msg, Generates):
+            for g in msg.items:
+                self._on_generate(ident, g)
+        elif isinstance(msg, Abort):
+            for rid in msg.rids:
+                r = self._requests.get(rid)
+                if r is None:
+                    continue  # ended already (the race is normal)
+                if r.ident != ident:  # not this connection's request: refuse, count
+                    transport.refused("worker", "abort of another frontend's request", log)
+                    continue
+                del self._requests[rid]
+                r.handle.cancel()  # frees the pages; the frontend already knows
+        elif isinstance(msg, LoadQuery):
+            self._send(ident, LoadReport(msg.seq, self.load()))
+        elif isinstance(msg, Hello):
+            self._on_hello(ident, msg)
+
+    def _on_credit(self, ident: bytes, n: int) -> None:
+        if n <= 0:  # would grow what is in flight and close the window for good
+            return transport.refused("worker", "credit not positive", log, n)
+        self.frontends.credit(ident, n)  # more than is in flight is clamped there (floor 0)
+        if self._draining:
+            self._progress.set()
 
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
         self.frontends.hello(ident)
@@ -182,10 +222,15 @@ class WorkerServer:
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         def refuse(kind: ErrorKind, why: str) -> None:
-            self.frontends.emit(ident, Delta(msg.rid, 0, [], "error", error=why, error_kind=kind))
+            rid = msg.rid[:MAX_RID_CHARS]  # (an over-long id was refused: echo only its start)
+            self.frontends.emit(ident, Delta(rid, 0, [], "error", error=why, error_kind=kind))
 
         if self._draining:
             return refuse(ErrorKind.DRAINING, "worker is draining")
+        why = check_generate(msg, self.limits)
+        if why is not None:
+            transport.refused("worker", "bad request", log, why)
+            return refuse(ErrorKind.BAD_REQUEST, why)
         if msg.rid in self._requests:
             return refuse(ErrorKind.DUPLICATE, "duplicate request id")
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
@@ -193,6 +238,9 @@ class WorkerServer:
             handle = self.engine.submit(req, self)
         except EngineError as e:
             return refuse(e.kind, str(e))
+        except Exception as e:  # an engine bug on odd input must not take the batch's others
+            transport.refused("worker", "engine submit failed", log, repr(e))
+            return refuse(ErrorKind.ENGINE, f"the engine failed to take the request: {e}")
         self._requests[msg.rid] = _Request(ident, DeltaMaker(msg.rid, self.engine.output_mode),
                                            handle)
 
@@ -214,7 +262,8 @@ class WorkerServer:
         except zmq.ZMQError as e:
             # The frontend is gone (EHOSTUNREACH) or not reading (EAGAIN past the HWM): its
             # requests cannot be delivered, so stop them and free their pages.
-            log.warning("frontend %r unreachable (%s): cancelling its requests", ident, e)
+            transport.refused("worker", "frontend unreachable; its requests cancelled", log,
+                              f"{ident!r}: {e}")
             self._drop_frontend(ident)
         if self._draining and isinstance(msg, Deltas):
             self._progress.set()

@@ -4,6 +4,10 @@ A message on the wire is `[identity,] type byte, payload` (wire.encode, and one 
 socket). Sockets never linger on close, have high-water marks, and refuse frames over
 wire.MAX_MESSAGE_BYTES. A frame that does not decode is dropped, counted in `bad_messages` (by
 socket kind) and logged at most once a second: no bytes a peer sends can end a receive loop.
+A message that decodes but that its handler refuses (a value out of range, a request that is not
+the sender's, a reply that cannot be routed back) is counted in `protocol_errors` by
+(socket kind, what was wrong) through `refused()`, logged the same rate-limited way. Both counters
+are process-wide; the worker exports them on its health port's `/metrics`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ _keys: auth.ClusterKeys | None = None
 RECV_BATCH = 64
 # Frames dropped because they did not decode, by decoder name ("worker", "frontend", ...).
 bad_messages: Counter[str] = Counter()
+# Messages that decoded but were refused or could not be answered, by (socket kind, what).
+protocol_errors: Counter[tuple[str, str]] = Counter()
 _last_bad_log = 0.0
 
 
@@ -108,6 +114,18 @@ def _dropped(decoder: wire.Decoder[M], err: Exception, log: logging.Logger) -> N
         _last_bad_log = now
         log.warning("dropped a bad message (%d on %s sockets so far): %s",
                     bad_messages[decoder.name], decoder.name, err)
+
+
+def refused(socket: str, what: str, log: logging.Logger, detail: object = "") -> None:
+    """Count one refused message (or unanswerable peer) in `protocol_errors`, and log it at most
+    once a second over all kinds: bad input must not flood the log."""
+    global _last_bad_log
+    protocol_errors[(socket, what)] += 1
+    now = time.monotonic()
+    if now - _last_bad_log >= 1.0:
+        _last_bad_log = now
+        log.warning("%s socket: %s (%d so far)%s", socket, what, protocol_errors[(socket, what)],
+                    f": {detail}" if detail else "")
 
 
 async def router_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],

@@ -93,6 +93,7 @@ class Load(_Msg):
     pages_free: int = 0
     pages_total: int = 0
     pages_reserved: int = 0
+    draining: bool = False  # the worker takes no new work (shutting down): place nothing here
 
 
 class Usage(_Msg):
