@@ -66,6 +66,7 @@ class _Broken:
 
 
 Factory = Callable[..., Awaitable[Engine]]
+Make = Callable[..., Awaitable[Engine]]  # the `make` fixture (conftest.py): a factory's engine, started
 
 
 async def mock(model_dir: Path, role: str = "agg", *, link: PdLink | None = None,

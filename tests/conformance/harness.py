@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Handle
-from tandem.runtime.wire import Bootstrap, SamplingParams
+from tandem.runtime.wire import Bootstrap, SamplingParams, TokenLogprobs
 from tandem.worker.deltas import DeltaMaker
 
 
@@ -19,6 +19,7 @@ class Run:
 
     rid: str
     ids: list[int] = field(default_factory=list)  # the tokens, as the deltas carried them
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, when asked for
     outputs: list[tuple[list[int], str | None, int]] = field(default_factory=list)
     finish: str | None = None
     error: EngineError | None = None
@@ -27,8 +28,9 @@ class Run:
 
 
 class Recorder:
-    """An OutputSink: checks `offset + len == completion_tokens` on every output (DeltaMaker) and
-    records what each request got, the number of on_step calls, and the threads they came on."""
+    """An OutputSink: checks `offset + len == completion_tokens` on every output (DeltaMaker), and
+    that logprobs match their tokens one for one, and records what each request got, the number of
+    on_step calls, and the threads they came on."""
 
     def __init__(self, engine: Engine) -> None:
         self.mode = engine.output_mode
@@ -60,6 +62,10 @@ class Recorder:
             if delta is not None:
                 assert delta.offset + len(delta.token_ids) == n
                 run.ids.extend(delta.token_ids)
+                if delta.logprobs is not None:
+                    assert len(delta.logprobs) == len(delta.token_ids)
+                    assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
+                    run.logprobs.extend(delta.logprobs)
             if out.finish_reason is not None:
                 run.finish = out.finish_reason
                 run.done.set()

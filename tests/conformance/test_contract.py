@@ -7,39 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tandem.engines.base import Engine, EngineError, EngineRequest, EngineRequestError
+from tandem.engines.base import EngineError, EngineRequest, EngineRequestError
 from tandem.runtime.wire import SamplingParams
-from tests.conformance.engines import ENGINES, PdLink
+from tests.conformance.engines import Make, PdLink
 from tests.conformance.harness import Recorder, finished, generate, wait_idle
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 PROMPTS = [[0, 5, 100, 200, 7, 900], [0, 17], [3, 2, 1, 4, 1023, 8, 9], [0, *range(300, 320)]]
-
-Make = Callable[..., Awaitable[Engine]]
-
-
-@pytest.fixture(params=sorted(ENGINES))
-async def make(request: pytest.FixtureRequest, tiny_model: str) -> AsyncIterator[Make]:
-    """Builds (and starts, unless told not to) engines of one kind; shuts them all down."""
-    factory = ENGINES[request.param]
-    made: list[Engine] = []
-
-    async def build(role: str = "agg", start: bool = True, **kw: Any) -> Engine:
-        engine = await factory(Path(tiny_model), role, **kw)
-        made.append(engine)
-        if start:
-            await engine.start()
-        return engine
-
-    yield build
-    for engine in made:
-        await engine.shutdown()
 
 
 async def test_lifecycle(make: Make) -> None:

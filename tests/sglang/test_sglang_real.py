@@ -109,7 +109,11 @@ def test_every_flag_tandem_passes_is_one_of_sglangs() -> None:
 SAMPLINGS = [SamplingParams(), SamplingParams(max_tokens=5, temperature=0.0),
              SamplingParams(temperature=0.7, top_p=0.9, top_k=40, stop_token_ids=(2, 7),
                             ignore_eos=True),
-             SamplingParams(top_k=0, seed=123)]
+             SamplingParams(top_k=0, seed=123),
+             SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=2.0,
+                            min_p=0.05, logit_bias={0: -100.0, 999: 100.0}),
+             SamplingParams(temperature=0.0, json_schema='{"type": "object"}'),
+             SamplingParams(regex="(yes|no)", repetition_penalty=0.5)]
 
 
 @pytest.mark.parametrize("sp", SAMPLINGS)
@@ -121,6 +125,32 @@ def test_every_sampling_dict_is_accepted_by_sglang(sp: SamplingParams) -> None:
     assert params.max_new_tokens == sp.max_tokens
     assert params.top_k == (sp.top_k or sampling_mod.TOP_K_ALL) or sp.temperature == 0.0
     assert params.sampling_seed == sp.seed
+    # The penalties, min_p, logit_bias and the grammars reach SGLang as tandem set them.
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.min_p) == (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty,
+                              sp.min_p)
+    assert params.logit_bias == (None if sp.logit_bias is None else
+                                 {str(k): v for k, v in sp.logit_bias.items()})
+    assert (params.json_schema, params.regex) == (sp.json_schema, sp.regex)
+
+
+def test_sglang_refuses_what_tandem_checks_before_it() -> None:
+    """tandem's own checks (check_sampling) refuse what SGLang's verify would: the same ranges."""
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"min_p": 1.5},
+                {"logit_bias": {"1000": 1.0}}, {"repetition_penalty": 2.5}):
+        with pytest.raises(ValueError):
+            sampling_mod.SamplingParams(**bad).verify(1000)
+
+
+def test_the_adapter_refuses_what_it_cannot_map_naming_the_field() -> None:
+    from tandem.runtime.errors import EngineRequestError
+
+    for sp, field in ((SamplingParams(logprobs=0), "logprobs"),
+                      (SamplingParams(repetition_penalty=2.5), "repetition_penalty"),
+                      (SamplingParams(json_schema="{}", regex="a"), "regex")):
+        with pytest.raises(EngineRequestError) as e:
+            sampling_dict(sp, deterministic=True)
+        assert e.value.param == field
 
 
 def test_what_the_adapter_refuses_sglang_cannot_honour() -> None:

@@ -1,17 +1,19 @@
-"""Decode-handler deltas from both output modes, and what is particular to the mock engine
-(its tokens, its PD quarantine); the contract itself is tests/conformance."""
+"""Decode-handler deltas from both output modes (logprobs included), and what is particular to the
+mock engine (its tokens, its toy model of the sampling parameters and logprobs, its PD quarantine);
+the contract itself is tests/conformance."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
-from tandem.engines.mock import MockEngine, mock_token
+from tandem.engines.mock import NATURAL_LOGIT, MockEngine, mock_token
 from tandem.kv.handoff import QUARANTINE_GRACE_S
-from tandem.runtime.wire import SamplingParams
+from tandem.runtime.wire import SamplingParams, TokenLogprobs
 from tandem.worker.deltas import DeltaMaker
 from tests.conformance.engines import PdLink
 from tests.conformance.harness import Recorder, finished, wait_idle
@@ -144,3 +146,91 @@ async def test_mock_decode_cancelled_during_the_handoff_frees_its_pages_after_qu
     finally:
         await d.shutdown()
         await p.shutdown()
+
+
+# --- logprobs through the decode handler; the mock's sampling parameters --------------------------
+
+
+def lp(tok: int) -> TokenLogprobs:
+    return TokenLogprobs(tok, -0.1 * tok, [(tok, -0.1 * tok)])
+
+
+def test_cumulative_logprobs_are_sliced_with_their_ids():
+    m = DeltaMaker("r", "cumulative")
+    ids, lps = [1, 2], [lp(1), lp(2)]
+    d1 = m.make(EngineOutput("r", ids, None, 3, 2, logprobs=lps))
+    ids.append(3)
+    lps.append(lp(3))  # a live list grew after the output was made
+    ids.append(4)
+    lps.append(lp(4))
+    assert d1 is not None and d1.logprobs == [lp(1), lp(2)]
+    d2 = m.make(EngineOutput("r", ids, "length", 3, 4, logprobs=lps))
+    assert d2 is not None and d2.token_ids == [3, 4] and d2.logprobs == [lp(3), lp(4)]
+    assert d2.logprobs is not lps  # the delta owns its list (merging extends it in place)
+    d2.extend(d1)
+    assert lps == [lp(1), lp(2), lp(3), lp(4)]
+
+
+def test_incremental_logprobs_pass_through_and_follow_the_echo_trim():
+    m = DeltaMaker("r", "incremental")
+    assert m.make(EngineOutput("r", [7], None, 1, 1, logprobs=[lp(7)])).logprobs == [lp(7)]
+    last = m.make(EngineOutput("r", [7], "abort", 1, 1, logprobs=[lp(7)]))
+    assert last is not None and last.token_ids == [] and last.logprobs == []
+    plain = DeltaMaker("q", "incremental").make(EngineOutput("q", [5], None, 1, 1))
+    assert plain is not None and plain.logprobs is None
+
+
+def test_logprobs_out_of_step_with_ids_are_an_error():
+    m = DeltaMaker("r", "incremental")
+    with pytest.raises(EngineError):
+        m.make(EngineOutput("r", [1, 2], None, 1, 2, logprobs=[lp(1)]))
+
+
+async def mock_ids(eng, prompt, **sampling) -> list[int]:
+    sp = SamplingParams(**{"max_tokens": 6, "ignore_eos": True, **sampling})
+    return (await finished(Recorder(eng).submit(eng, "r", prompt, sp))).ids
+
+
+async def test_mock_sampling_parameters_have_their_documented_effects(mock_dir):
+    eng = MockEngine(mock_dir, page_size=4, num_pages=64)
+    await eng.start()
+    try:
+        prompt, t = [1, 2, 3], 42
+        natural = [mock_token(prompt, i, 500, frozenset({2})) for i in range(6)]
+        assert await mock_ids(eng, prompt) == natural
+        assert await mock_ids(eng, prompt, logit_bias={t: 11.0}) == [t] * 6  # above NATURAL_LOGIT
+        assert await mock_ids(eng, prompt, logit_bias={t: 9.0}) == natural
+        # A penalty stops the repetition the bias causes: presence once, frequency 0.5 twice.
+        assert await mock_ids(eng, prompt, logit_bias={t: 11.0}, presence_penalty=2.0) == \
+            [t, *natural[1:]]
+        assert await mock_ids(eng, prompt, logit_bias={t: 11.0}, frequency_penalty=0.5) == \
+            [t, t, *natural[2:]]
+        assert await mock_ids(eng, prompt, logit_bias={t: 11.0}, repetition_penalty=1.2) == \
+            [t, *natural[1:]]
+        assert await mock_ids(eng, [t, 7], logit_bias={t: 11.0}, repetition_penalty=1.2) == \
+            [mock_token([t, 7], i, 500, frozenset({2})) for i in range(6)]  # seen in the prompt
+        # Pushing the natural token down lets the next id that is not EOS through.
+        down = await mock_ids(eng, prompt, logit_bias={natural[0]: -20.0}, max_tokens=1)
+        assert down == [(natural[0] + 1) % 500 if (natural[0] + 1) % 500 != 2 else 3]
+        assert await mock_ids(eng, prompt, min_p=1.0, temperature=1.0) == natural  # no effect
+    finally:
+        await eng.shutdown()
+
+
+async def test_mock_logprobs_are_its_toy_models(mock_dir):
+    eng = MockEngine(mock_dir, page_size=4, num_pages=64)
+    await eng.start()
+    try:
+        prompt = [1, 2, 3]
+        run = await finished(Recorder(eng).submit(eng, "r", prompt, SamplingParams(
+            max_tokens=4, logprobs=3, logit_bias={42: 11.0}, presence_penalty=2.0)))
+        log_z = math.log(math.exp(NATURAL_LOGIT) + 499)
+        natural = [mock_token(prompt, i, 500, frozenset({2})) for i in range(4)]
+        assert run.ids == [42, *natural[1:]]
+        first = run.logprobs[0]  # raw: the bias does not show
+        assert first.token_id == 42 and first.logprob == pytest.approx(-log_z)
+        assert first.top[0] == (natural[0], pytest.approx(NATURAL_LOGIT - log_z))
+        assert [tok for tok, _ in first.top[1:]] == [t for t in (0, 1, 2) if t != natural[0]][:2]
+        assert all(lp.logprob == pytest.approx(NATURAL_LOGIT - log_z) for lp in run.logprobs[1:])
+    finally:
+        await eng.shutdown()

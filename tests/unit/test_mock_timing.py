@@ -11,6 +11,7 @@ import pytest
 from tandem.engines.base import EngineRequest
 from tandem.engines.mock import MockEngine, MockTiming
 from tandem.runtime.wire import SamplingParams
+from tests.conformance.harness import Recorder, finished
 
 
 @pytest.fixture
@@ -21,17 +22,14 @@ def mock_dir(tmp_path):
 
 
 async def run(eng: MockEngine, reqs: list[EngineRequest]) -> float:
-    async def one(req: EngineRequest) -> int:
-        n = 0
-        async for out in eng.generate(req):
-            n = len(out.output_ids)
-        return n
-
     await eng.start()
     try:
+        sink = Recorder(eng)
         t0 = time.monotonic()
-        counts = await asyncio.gather(*(one(r) for r in reqs))
+        runs = [sink.submit(eng, r.rid, r.prompt_ids, r.sampling) for r in reqs]
+        await asyncio.gather(*(finished(r) for r in runs))
         elapsed = time.monotonic() - t0
+        counts = [len(r.ids) for r in runs]
         assert counts == [r.sampling.max_tokens for r in reqs]
         assert eng.pool.num_free == eng.num_pages
         return elapsed

@@ -340,3 +340,103 @@ async def test_failing_step_fails_its_requests_only(engine: ReferenceEngine) -> 
     await wait_idle(engine)
     engine.compute_hook = None
     assert len(await tokens(engine, PROMPT, max_tokens=5, ignore_eos=True)) == 5
+
+
+# --- sampling parameters and logprobs -------------------------------------------------------------
+
+REPEATS = [0, 17]  # greedy falls into a two-token loop on this prompt
+
+
+def most_repeated(ids: list[int]) -> int:
+    return max(ids.count(t) for t in ids)
+
+
+async def test_a_large_logit_bias_makes_its_token_the_output(engine: ReferenceEngine) -> None:
+    out = await tokens(engine, PROMPT, max_tokens=8, logit_bias={42: 100.0}, ignore_eos=True,
+                       **GREEDY)
+    assert out == [42] * 8
+    plain = await tokens(engine, PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)
+    banned = await tokens(engine, PROMPT, max_tokens=8, ignore_eos=True,
+                          logit_bias={plain[0]: -100.0}, **GREEDY)
+    assert banned[0] != plain[0]
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 1.5}])
+async def test_a_strong_penalty_stops_the_repetition_greedy_falls_into(
+        engine: ReferenceEngine, penalty: dict[str, float]) -> None:
+    greedy = await tokens(engine, REPEATS, max_tokens=24, ignore_eos=True, **GREEDY)
+    assert most_repeated(greedy) >= 4
+    penalized = await tokens(engine, REPEATS, max_tokens=24, ignore_eos=True, **penalty, **GREEDY)
+    assert penalized != greedy and most_repeated(penalized) <= 2
+
+
+async def test_min_p_one_samples_only_the_likeliest(engine: ReferenceEngine) -> None:
+    greedy = await tokens(engine, PROMPT, max_tokens=12, ignore_eos=True, **GREEDY)
+    sampled = await tokens(engine, PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5,
+                           seed=3)
+    assert sampled != greedy
+    assert await tokens(engine, PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, seed=3,
+                        min_p=1.0) == greedy
+
+
+def check_logprobs(model: Any, prompt: list[int], r: Run, k: int) -> None:
+    """Each token's logprobs are the log_softmax of the model's logits at its position."""
+    import torch
+
+    logits = model.forward_full(torch.tensor(prompt + r.ids[:-1]))[len(prompt) - 1:]
+    raw = logits.log_softmax(dim=-1)
+    assert [lp.token_id for lp in r.logprobs] == r.ids
+    for pos, lp in enumerate(r.logprobs):
+        assert lp.logprob == pytest.approx(float(raw[pos, lp.token_id]), abs=1e-4)
+        values, ids = raw[pos].topk(k)
+        assert len(lp.top) == k
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+        for (tok, _), want in zip(lp.top, ids.tolist()):  # the same ids, up to near-ties
+            assert tok == want or abs(float(raw[pos, tok]) - float(raw[pos, want])) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+async def test_logprobs_are_the_models_log_softmax(make_engine: MakeEngine, model_dir: Path,
+                                                   mode: str) -> None:
+    from tandem.engines.reference.model import Llama
+
+    engine = await make_engine(output_mode=mode)
+    model = Llama.from_checkpoint(model_dir)
+    sink = Recorder(engine)
+    asked = [start(engine, "g", PROMPT, sink, max_tokens=10, logprobs=5, **GREEDY),
+             start(engine, "s", OTHERS[1], sink, max_tokens=10, logprobs=2, temperature=0.9,
+                   seed=5, presence_penalty=1.0, logit_bias={7: 3.0}),
+             start(engine, "z", OTHERS[0], sink, max_tokens=6, logprobs=0, **GREEDY)]
+    plain = start(engine, "p", OTHERS[2], sink, max_tokens=10, **GREEDY)
+    for r in [*asked, plain]:
+        await finished(r)
+    check_logprobs(model, PROMPT, asked[0], 5)
+    check_logprobs(model, OTHERS[1], asked[1], 2)  # raw: penalties and bias do not show
+    check_logprobs(model, OTHERS[0], asked[2], 0)
+    assert plain.logprobs == [] and len(plain.ids) > 0
+    assert await tokens(engine, PROMPT, max_tokens=10, **GREEDY) == asked[0].ids
+
+
+async def test_logprobs_cost_nothing_when_not_asked(engine: ReferenceEngine) -> None:
+    seen: list[Batch] = []
+
+    def hook(batch: Batch, compute: Compute) -> list[int]:
+        out = compute(batch)
+        seen.append(batch)
+        return out
+
+    engine.compute_hook = hook
+    r = await run(engine, "r", PROMPT, max_tokens=4, **GREEDY)
+    assert all(out_ids for out_ids, _, _ in r.outputs) and seen
+    assert all(b.logprobs is None for b in seen)
+
+
+async def test_logit_bias_outside_the_vocabulary_is_refused(engine: ReferenceEngine) -> None:
+    for bias in ({1024: 1.0}, {5: 200.0}):
+        with pytest.raises(EngineRequestError) as e:
+            start(engine, "bad", PROMPT, logit_bias=bias)
+        assert e.value.param == "logit_bias"
+    with pytest.raises(EngineRequestError) as e:
+        start(engine, "bad", PROMPT, json_schema="{}")
+    assert e.value.param == "json_schema"

@@ -13,7 +13,8 @@ failed start, and safe twice).
   step with every output of that step (of every request submitted with that sink), never a task or
   a wakeup per request per token. It never calls the sink before `submit` has returned.
 - Each `EngineOutput` names its request (`rid`) and carries `output_ids`, cumulative (all ids so
-  far) or incremental (only the new ids) as the engine's `output_mode` declares, and the counts.
+  far) or incremental (only the new ids) as the engine's `output_mode` declares, and the counts;
+  for a request with `sampling.logprobs` set, `logprobs` too, one per id, in the same mode.
   A request's last output has a `finish_reason`; a request that fails after submission ends with
   one output whose `finish_reason` is "error" and whose `error` says why (an EngineError, or an
   EngineRequestError when the request turned out to be unacceptable). Nothing follows the last
@@ -43,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.runtime.errors import EngineError, EngineRequestError
-from tandem.runtime.wire import Bootstrap, FinishReason, Load, OutputMode, SamplingParams
+from tandem.runtime.wire import (
+    Bootstrap, FinishReason, Load, OutputMode, SamplingParams, TokenLogprobs,
+)
 
 __all__ = [
     "Engine", "EngineError", "EngineOutput", "EngineRequest", "EngineRequestError", "Handle",
@@ -68,6 +71,9 @@ class EngineOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: EngineError | None = None  # with finish_reason "error"
+    # When the request asked for logprobs: one per output id, cumulative or incremental as
+    # `output_ids` are (the wire's TokenLogprobs: the model's own distribution, see wire.py).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

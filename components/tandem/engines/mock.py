@@ -9,6 +9,19 @@ PD handoff of tandem.engines.pd (its transfers simulated by tandem.kv.movers.Sim
 Timing (`MockTiming`): a step sleeps for its prefill cost (per prompt token admitted that step)
 plus its decode cost (per step, and per sequence in the step), plus an optional fixed delay; with
 every cost zero a step sleeps not at all and yields to the event loop once.
+
+Sampling parameters, on a toy model: the mock's logits are NATURAL_LOGIT for its natural token
+(`mock_token`) and 0 for every other id. `logit_bias` and the penalties apply to these logits with
+the reference engine's math and order (bias; repetition over prompt and completion; frequency and
+presence over the completion), and the mock takes the argmax, always (temperature, top-k, top-p and
+min_p have no effect: the likeliest token survives every filter). Ties go to the natural token,
+then to biased ids, lowest first, then to the first id after the natural one that is not an EOS id
+and is not seen by an active penalty. So a bias above NATURAL_LOGIT forces its token at every
+position, and a penalty can stop that repetition: with bias 11 on a token, presence_penalty 2 (or
+repetition_penalty 1.2) lets it out once, frequency_penalty 0.5 twice. Stop ids held back by
+min_tokens are never picked. Logprobs are the toy model's raw distribution: log_softmax of those
+logits before any bias or penalty (`mock_logprobs`); the alternatives are the natural token, then
+the lowest other ids.
 """
 
 from __future__ import annotations
@@ -19,14 +32,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import math
+from collections.abc import Collection
+
 from tandem.engines.base import ModelSpec
 from tandem.engines.pd import HandoffSpec
-from tandem.engines.scheduler import Batch
+from tandem.engines.sampling import adjusts_logits
+from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
 from tandem.kv.pages import page_bytes
-from tandem.runtime.wire import OutputMode
+from tandem.runtime.wire import OutputMode, TokenLogprobs
 
 UNLIMITED_PREFILL_TOKENS = 1 << 62  # the mock admits every prompt that fits, as it always has
+NATURAL_LOGIT = 10.0  # the toy model's logit for the mock's token; every other id has 0
 
 
 def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozenset[int]) -> int:
@@ -36,6 +54,44 @@ def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozense
     while tok in avoid:
         tok = (tok + 1) % vocab
     return tok
+
+
+def mock_adjusted(natural: int, seq: Sequence, vocab: int, avoid: frozenset[int],
+                  banned: Collection[int]) -> int:
+    """The mock's pick once `seq`'s logit_bias and penalties apply to its toy logits."""
+    p = seq.sampling
+    scores = {natural: NATURAL_LOGIT}
+    for tok, bias in sorted((p.logit_bias or {}).items()):
+        scores[tok] = scores.get(tok, 0.0) + bias
+    counts: dict[int, int] = {}
+    if p.frequency_penalty or p.presence_penalty:
+        for tok in seq.output_ids:
+            counts[tok] = counts.get(tok, 0) + 1
+    seen = set(seq.prompt_ids).union(seq.output_ids) if p.repetition_penalty != 1.0 else set()
+    fallback = next((t for t in ((natural + j) % vocab for j in range(1, vocab))
+                     if t not in scores and t not in avoid and t not in banned
+                     and t not in counts and t not in seen), natural)
+    scores.setdefault(fallback, 0.0)
+    best, best_score = natural, -math.inf
+    for tok, x in scores.items():  # natural first, then biased ids by id, then the fallback
+        if tok in banned:
+            continue
+        if tok in seen:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        n = counts.get(tok, 0)
+        x -= p.frequency_penalty * n + (p.presence_penalty if n else 0.0)
+        if x > best_score:
+            best, best_score = tok, x
+    return best
+
+
+def mock_logprobs(natural: int, token: int, top: int, vocab: int) -> TokenLogprobs:
+    """The toy model's raw logprobs at a position whose natural token is `natural`."""
+    log_z = NATURAL_LOGIT + math.log1p((vocab - 1) * math.exp(-NATURAL_LOGIT))
+    low = -log_z  # every id but the natural one
+    alts = [(natural, NATURAL_LOGIT - log_z)] if top else []
+    alts += [(t, low) for t in range(top + 1) if t != natural][: max(0, top - 1)]
+    return TokenLogprobs(token, NATURAL_LOGIT - log_z if token == natural else low, alts)
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
@@ -98,5 +154,23 @@ class MockEngine(Stepper):
         # The step's tokens come out when its compute would have finished (sleep(0): a yield).
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid
-        return [mock_token(s.prompt_ids, len(s.output_ids), vocab, avoid)
-                for s in (*batch.prefill, *batch.decode)]
+        seqs = batch.all()
+        tokens = [mock_token(s.prompt_ids, len(s.output_ids), vocab, avoid) for s in seqs]
+        extras = [i for i, s in enumerate(seqs) if s.extras]
+        if extras:
+            self._extras(batch, seqs, tokens, extras)
+        return tokens
+
+    def _extras(self, batch: Batch, seqs: list[Sequence], tokens: list[int],
+                extras: list[int]) -> None:
+        """Bias and penalties, then logprobs, for the sequences that ask (in place)."""
+        vocab, natural = self.spec.vocab_size, list(tokens)
+        for i in extras:
+            seq = seqs[i]
+            if adjusts_logits(seq.sampling):
+                tokens[i] = mock_adjusted(natural[i], seq, vocab, self._avoid, seq.banned_ids())
+            if seq.logprobs is not None:
+                if batch.logprobs is None:
+                    batch.logprobs = [None] * len(seqs)
+                batch.logprobs[i] = mock_logprobs(natural[i], tokens[i],
+                                                  seq.sampling.logprobs or 0, vocab)

@@ -18,6 +18,12 @@ and the pages stay held until the write has ended, whatever happens to the reque
 request ends with one output (the first token, "length"). Any end before the write tells the
 decode side at once (`fail`).
 
+Logprobs: a request that asked for them gets its first token's logprobs from the prefill side,
+carried with the first token (`KvDone.first_logprobs`), so a PD stream's logprobs are an
+aggregated run's. A channel says it carries them with `carries_logprobs = True`; its `send` then
+takes `first_logprobs` and its `fetch` returns `(first_token, first_logprobs)`. With a channel that
+does not, the engine refuses such requests at submit (tandem.engines.sampling.check_request).
+
 The channels are the socket layer (tandem.kv.handoff's PrefillSide and DecodeSide over ZMQ);
 anything with the same methods will do, so this machine is tested with in-memory fakes.
 """
@@ -29,14 +35,14 @@ import logging
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from tandem.engines.scheduler import Sequence
 from tandem.kv.handoff import DecodeSide, Destination, PrefillSide
 from tandem.kv.movers import KvMover
 from tandem.runtime.errors import EngineError, KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
-from tandem.runtime.wire import Bootstrap
+from tandem.runtime.wire import Bootstrap, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
 
@@ -50,8 +56,10 @@ class Host(Protocol):
     num_pages: int
 
     def free(self, seq: Sequence) -> None: ...  # its pages are safe to reuse
-    def joined(self, seq: Sequence, first: int) -> None: ...  # decode: K/V in place
-    def written(self, seq: Sequence, first: int) -> None: ...  # prefill: K/V written
+    def joined(self, seq: Sequence, first: int,  # decode: K/V in place
+               logprobs: TokenLogprobs | None = None) -> None: ...
+    def written(self, seq: Sequence, first: int,  # prefill: K/V written
+                logprobs: TokenLogprobs | None = None) -> None: ...
     def failed(self, seq: Sequence, error: EngineError) -> None: ...  # ends with this error
 
 
@@ -66,9 +74,20 @@ class PrefillChannel(Protocol):
     async def close(self) -> None: ...
 
 
+class LogprobsPrefillChannel(PrefillChannel, Protocol):
+    """A prefill channel with `carries_logprobs = True`: KvDone carries the first token's."""
+
+    def send(self, room: int, dest: Destination, local_pages: Seq[int], first_token: int,
+             first_logprobs: TokenLogprobs | None = None
+             ) -> asyncio.Task[KvHandoffError | None]: ...
+
+
+First = tuple[int, TokenLogprobs | None]  # the first token, and its logprobs when asked for
+
+
 class DecodeChannel(Protocol):
     async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> int: ...
+                    release: Callable[[], None]) -> int | First: ...
     async def close(self) -> None: ...
 
 
@@ -78,7 +97,7 @@ class _State:
 
     __slots__ = ("task", "began", "first")
 
-    def __init__(self, first: asyncio.Future[int] | None = None) -> None:
+    def __init__(self, first: asyncio.Future[First] | None = None) -> None:
         self.task: asyncio.Task[None] | None = None
         self.began = False
         self.first = first
@@ -88,8 +107,9 @@ class _Handoff:
     role: Role
     address = ""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, channel: object) -> None:
         self.host = host
+        self.carries_logprobs = bool(getattr(channel, "carries_logprobs", False))
         self._tasks = TaskGroup()
 
     def _spawn(self, seq: Sequence, st: _State, coro: Any, on_unstarted: Callable[[], None]) -> None:
@@ -111,7 +131,7 @@ class _Handoff:
     def admitted(self, seq: Sequence, prompt_pages: list[int]) -> None:
         """Its pages were reserved (decode role: fetch the K/V into `prompt_pages`)."""
 
-    def computed(self, seq: Sequence, first: int) -> None:
+    def computed(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Its prompt was computed and `first` sampled (prefill role)."""
 
 
@@ -119,7 +139,7 @@ class PrefillHandoff(_Handoff):
     role: Role = "prefill"
 
     def __init__(self, host: Host, channel: PrefillChannel) -> None:
-        super().__init__(host)
+        super().__init__(host, channel)
         self.channel = channel
 
     async def start(self) -> None:
@@ -137,18 +157,18 @@ class PrefillHandoff(_Handoff):
         self._spawn(seq, st, self._prefill(seq, st, room),
                     partial(self._ended, seq, room, "the prefill request was aborted"))
 
-    def computed(self, seq: Sequence, first: int) -> None:
+    def computed(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         st: _State = seq.handoff
         assert st.first is not None
         if not st.first.done():
-            st.first.set_result(first)
+            st.first.set_result((first, logprobs))
 
     async def _prefill(self, seq: Sequence, st: _State, room: int) -> None:
         st.began = True
         assert st.first is not None
         try:
             dest = await self.channel.wait_room(room)
-            first = await st.first
+            first, logprobs = await st.first
         except KvHandoffError as e:
             self.host.failed(seq, e)
             self._ended(seq, room, str(e))
@@ -156,19 +176,24 @@ class PrefillHandoff(_Handoff):
         except asyncio.CancelledError:
             self._ended(seq, room, "the prefill request was aborted")
             raise
-        write = self.channel.send(room, dest, list(seq.pages), first)
-        write.add_done_callback(partial(self._written, seq, first))
+        if logprobs is None:
+            write = self.channel.send(room, dest, list(seq.pages), first)
+        else:  # (check_request let it in: the channel carries logprobs)
+            channel = cast(LogprobsPrefillChannel, self.channel)
+            write = channel.send(room, dest, list(seq.pages), first, logprobs)
+        write.add_done_callback(partial(self._written, seq, first, logprobs))
 
     def _ended(self, seq: Sequence, room: int, why: str) -> None:
         """Ended before any write: the decode side learns at once; the pages are ours again."""
         self.channel.fail(room, why)
         self.host.free(seq)
 
-    def _written(self, seq: Sequence, first: int, write: asyncio.Task[KvHandoffError | None]) -> None:
+    def _written(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None,
+                 write: asyncio.Task[KvHandoffError | None]) -> None:
         error = KvHandoffError("the KV write was stopped: shutting down") if write.cancelled() \
             else write.result()
         if error is None:
-            self.host.written(seq, first)  # frees the pages too
+            self.host.written(seq, first, logprobs)  # frees the pages too
         else:
             self.host.failed(seq, error)
             self.host.free(seq)
@@ -178,7 +203,7 @@ class DecodeHandoff(_Handoff):
     role: Role = "decode"
 
     def __init__(self, host: Host, channel: DecodeChannel) -> None:
-        super().__init__(host)
+        super().__init__(host, channel)
         self.channel = channel
 
     async def start(self) -> None:
@@ -196,11 +221,12 @@ class DecodeHandoff(_Handoff):
         st.began = True  # from here the channel releases the pages on every failure
         assert seq.bootstrap is not None
         try:
-            first = await self.channel.fetch(seq.bootstrap, pages, partial(self.host.free, seq))
+            got = await self.channel.fetch(seq.bootstrap, pages, partial(self.host.free, seq))
         except KvHandoffError as e:
             self.host.failed(seq, e)  # the pages come back when the channel releases them
             return
-        self.host.joined(seq, first)
+        first, logprobs = got if isinstance(got, tuple) else (got, None)
+        self.host.joined(seq, first, logprobs)
 
 
 @dataclass(frozen=True)

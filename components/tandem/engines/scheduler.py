@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kv.pages import PagePool
-from tandem.runtime.errors import EngineRequestError
-from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams
+from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -35,20 +34,6 @@ class SeqStatus(enum.Enum):
     FETCHING = "fetching"  # decode: pages reserved, waiting for the prompt's K/V to arrive
     SENDING = "sending"  # prefill: computed, pages held until the K/V has been sent
     FINISHED = "finished"
-
-
-def check_sampling(p: SamplingParams) -> None:
-    """Refuse sampling parameters no engine can honour (EngineRequestError)."""
-    if p.max_tokens < 1:
-        raise EngineRequestError("max_tokens must be at least 1")
-    if p.temperature < 0:
-        raise EngineRequestError("temperature must be >= 0")
-    if not 0.0 < p.top_p <= 1.0:
-        raise EngineRequestError("top_p must be in (0, 1]")
-    if p.top_k < 0:
-        raise EngineRequestError("top_k must be >= 0 (0 disables it)")
-    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
-        raise EngineRequestError("min_tokens must be in [0, max_tokens]")
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +49,8 @@ class Sequence:
     bootstrap: Bootstrap | None = None  # PD: where the other side of its KV handoff is
     sink: Any = None  # the OutputSink its outputs go to
     output_ids: list[int] = field(default_factory=list)  # handed out live in cumulative mode
+    logprobs: list[TokenLogprobs] | None = None  # one per output id, when asked for (as live)
+    extras: bool = False  # it asks for logprobs, a bias or a penalty: its step does more work
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -108,6 +95,8 @@ class Batch:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     reserved: list[Sequence] = field(default_factory=list)  # decode seqs that just got pages
+    # Set by the step's compute when a sequence of it asked for logprobs: one per all() item.
+    logprobs: list[TokenLogprobs | None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode or self.reserved)

@@ -52,6 +52,7 @@ import psutil
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.base import ModelSpec
 from tandem.engines.iterator import IteratorEngine
+from tandem.engines.sampling import check_sampling
 from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
 from tandem.runtime.wire import OutputMode, Role
 
@@ -289,6 +290,7 @@ class SGLangEngine(IteratorEngine):
             raise EngineRequestError(f"prompt ({len(req.prompt_ids)}) + max_tokens "
                                      f"({req.sampling.max_tokens}) exceed the model's context "
                                      f"length ({limit})", param="max_tokens")
+        check_sampling(req.sampling, self.spec.vocab_size)
         sampling_dict(req.sampling, deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:

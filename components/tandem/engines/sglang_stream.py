@@ -2,6 +2,12 @@
 module, `tandem.engines.sglang`, is the one that imports sglang): the sampling dict and call keywords
 built from a tandem request, and `SGLangStream`, which turns one request's items into EngineOutputs.
 
+Sampling: tandem's fields map to SGLang's keys (`max_new_tokens`, `sampling_seed`, top_k 0 -> -1,
+logit_bias keys as strings; penalties, min_p, json_schema and regex by name); what SGLang cannot
+honour here is refused naming the field (min_tokens without SGLang's tokenizer, seed without
+deterministic inference, repetition_penalty above 2, logprobs, which the adapter does not carry).
+SGLang checks logit_bias keys against its vocabulary itself (a 400 from its first item).
+
 Item edges handled here: cumulative mode hands out SGLang's live id list (appended to after the
 yield), passed through uncopied with the count read at receipt, so slicing by count is exact;
 incremental mode's abort echo repeats the last id already sent and is trimmed by
@@ -17,6 +23,7 @@ from tandem.engines.base import EngineError, EngineOutput, EngineRequest, Engine
 from tandem.runtime.wire import SamplingParams
 
 SGLANG_TOP_K_DISABLED = -1  # SGLang's "whole vocabulary"; tandem's is 0
+SGLANG_MAX_REPETITION_PENALTY = 2.0  # SGLang refuses more
 
 
 def sampling_dict(sp: SamplingParams, *, deterministic: bool) -> dict[str, Any]:
@@ -29,6 +36,14 @@ def sampling_dict(sp: SamplingParams, *, deterministic: bool) -> dict[str, Any]:
         raise EngineRequestError("seed needs the sglang engine started with "
                                  "--enable-deterministic-inference (SGLang ignores it otherwise)",
                                  param="seed")
+    if sp.logprobs is not None:
+        raise EngineRequestError("logprobs are not supported by the sglang engine yet",
+                                 param="logprobs")
+    if sp.repetition_penalty > SGLANG_MAX_REPETITION_PENALTY:
+        raise EngineRequestError("repetition_penalty must be in (0, 2] with the sglang engine",
+                                 param="repetition_penalty")
+    if sp.json_schema is not None and sp.regex is not None:
+        raise EngineRequestError("json_schema and regex cannot both be set", param="regex")
     out: dict[str, Any] = {
         "max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
         "top_k": sp.top_k if sp.top_k > 0 else SGLANG_TOP_K_DISABLED, "ignore_eos": sp.ignore_eos,
@@ -37,6 +52,18 @@ def sampling_dict(sp: SamplingParams, *, deterministic: bool) -> dict[str, Any]:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.seed is not None:
         out["sampling_seed"] = sp.seed
+    # Neutral values are left out: SGLang's defaults are the same.
+    for key in ("presence_penalty", "frequency_penalty", "min_p"):
+        if getattr(sp, key):
+            out[key] = getattr(sp, key)
+    if sp.repetition_penalty != 1.0:
+        out["repetition_penalty"] = sp.repetition_penalty
+    if sp.logit_bias:
+        out["logit_bias"] = {str(tok): bias for tok, bias in sp.logit_bias.items()}  # SGLang's keys
+    if sp.json_schema is not None:
+        out["json_schema"] = sp.json_schema
+    if sp.regex is not None:
+        out["regex"] = sp.regex
     return out
 
 

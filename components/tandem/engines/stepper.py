@@ -12,11 +12,11 @@ with one `on_step` per sink; the thread goes on with the next step at once. Eith
 scheduler and the pool are touched under `self._lock` (uncontended on the loop driver), a step's
 sequences are in flight while it computes, and their pages are not freed until it ends.
 
-Outputs: each step ends with ONE `sink.on_step(outputs)` per sink, carrying every output of the
-step. Cumulative mode hands out the sequence's own growing id list (no copy per token; a consumer
-bounds it by `completion_tokens`), incremental mode a list of the new id. Events outside a step
-(a decode request's first token after its KV arrived, a prefill's end once its KV is written, a
-handoff failure, shutdown) are delivered when they happen, one call each.
+Outputs (tandem.engines.outputs): each step ends with ONE `sink.on_step(outputs)` per sink,
+carrying every output of the step, with logprobs where a request asked for them (the hook computes
+them into `batch.logprobs`). Events outside a step (a decode request's first token after its KV
+arrived, a prefill's end once its KV is written, a handoff failure, shutdown) are delivered when
+they happen, one call each.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ from tandem.engines.base import (
     EngineRequestError,
     OutputSink,
 )
+from tandem.engines.outputs import Items, deliver, make_output
 from tandem.engines.pd import Handoff, HandoffSpec
-from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus, check_sampling
+from tandem.engines.sampling import adjusts_logits, check_request
+from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
 from tandem.kv.pages import PagePool
-from tandem.runtime.wire import FinishReason, Load, OutputMode
+from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
 
 IDLE_WAIT_S = 0.5  # an idle step thread re-checks for work this often, even without a wake-up
-Items = list[tuple[Sequence, EngineOutput]]
 
 
 class _Handle:
@@ -59,12 +60,12 @@ class _Handle:
 
 @dataclass(slots=True)
 class _Step:
-    """What a step hands to the loop: outputs to deliver, prefills whose first token was sampled,
-    decode requests whose pages were reserved, PD requests whose step failed."""
+    """What a step hands to the loop: outputs to deliver, prefills whose first token (and its
+    logprobs) was sampled, decode requests whose pages were reserved, PD requests that failed."""
 
     reserved: list[Sequence]
     items: Items = field(default_factory=list)
-    computed: list[tuple[Sequence, int]] = field(default_factory=list)
+    computed: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
 
 
@@ -118,12 +119,8 @@ class Stepper(Engine):
 
     def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
         prompt, ctx = list(req.prompt_ids), self.spec.max_context
-        if not prompt:
-            raise EngineRequestError("prompt is empty")
-        if len(prompt) >= ctx:
-            raise EngineRequestError(
-                f"prompt has {len(prompt)} tokens; this model's context is {ctx} tokens")
-        check_sampling(req.sampling)
+        check_request(prompt, req.sampling, self.spec,
+                      pd == "" or self.handoff is None or self.handoff.carries_logprobs)
         self.check_prompt(prompt)
         # A prefill-only request holds pages for its prompt alone: only its K/V is handed over.
         max_total = len(prompt) if pd == "prefill" else min(len(prompt) + req.sampling.max_tokens,
@@ -138,7 +135,9 @@ class Stepper(Engine):
         return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
                         max_total=max_total, stop_ids=frozenset(stop),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
-                        bootstrap=req.bootstrap)
+                        bootstrap=req.bootstrap,
+                        logprobs=None if req.sampling.logprobs is None else [],
+                        extras=req.sampling.logprobs is not None or adjusts_logits(req.sampling))
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -232,7 +231,7 @@ class Stepper(Engine):
             self.sched.finish(seq, reason)
             self._notify()
 
-    def joined(self, seq: Sequence, first: int) -> None:
+    def joined(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Decode: the prompt's K/V is in place; the request runs on from `first`."""
         with self._lock:
             seq.handoff = None
@@ -240,17 +239,21 @@ class Stepper(Engine):
                 self.sched.finish(seq, "abort")  # nothing writes into the pages any more
                 self._notify()
                 return
+            if seq.logprobs is not None and logprobs is not None:
+                seq.logprobs.append(logprobs)
             finish = self.sched.join(seq, first)
             seq.done = finish is not None
             self._notify()
         self._deliver([(seq, self._output(seq, [first], finish))])
 
-    def written(self, seq: Sequence, first: int) -> None:
+    def written(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
         with self._lock:
             last = self._last(seq)
             if last:
                 seq.output_ids.append(first)
+                if seq.logprobs is not None and logprobs is not None:
+                    seq.logprobs.append(logprobs)
         if last:
             self._deliver([(seq, self._output(seq, [first], "length"))])
         self.free(seq, "length")
@@ -320,6 +323,7 @@ class Stepper(Engine):
         """The step's bookkeeping (under the lock): tokens appended, finished requests' pages
         freed, outputs made."""
         step = _Step(batch.reserved)
+        lps = batch.logprobs
         if error is not None:
             log.error("%s engine step failed: %r", self.name, error)
             err = EngineError(f"{self.name} engine step failed: {error!r}")
@@ -334,22 +338,33 @@ class Stepper(Engine):
             self._notify()
             return step
         items, cumulative, sched = step.items, self._cumulative, self.sched
-        for seq, token in zip(seqs, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.in_flight = False
             if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
                 sched.finish(seq, "abort")
                 continue
             seq.num_cached = seq.num_tokens
+            lp = lps[i] if lps is not None else None
             if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
                 sched.to_sending(seq)
-                step.computed.append((seq, token))
+                step.computed.append((seq, token, lp))
                 continue
+            if seq.logprobs is not None:  # (appended before the output can be read)
+                if lp is None:  # the compute hook's bug: fail the request, not the engine
+                    sched.finish(seq, "error")
+                    seq.done = True
+                    items.append((seq, self._output(seq, [], "error", EngineError(
+                        f"{self.name} engine: the step computed no logprobs for {seq.rid}"))))
+                    continue
+                seq.logprobs.append(lp)
             finish = seq.finish_after(token)
             if finish is not None:
                 sched.finish(seq, finish)
                 seq.done = True
-            items.append((seq, EngineOutput(seq.rid, seq.output_ids if cumulative else [token],
-                                            finish, len(seq.prompt_ids), len(seq.output_ids))))
+            lpl = seq.logprobs  # (inline: once per token)
+            items.append((seq, EngineOutput(
+                seq.rid, seq.output_ids if cumulative else [token], finish, len(seq.prompt_ids),
+                len(seq.output_ids), 0, None, lpl if cumulative or lpl is None else lpl[-1:])))
         self._notify()
         return step
 
@@ -360,8 +375,8 @@ class Stepper(Engine):
         if handoff is not None:
             for seq in step.reserved:  # decode: pages reserved, its KV can be fetched now
                 handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
-            for seq, token in step.computed:
-                handoff.computed(seq, token)
+            for seq, token, lp in step.computed:
+                handoff.computed(seq, token, lp)
             for seq in step.failed:
                 handoff.cancel(seq)
         items = step.items
@@ -379,21 +394,7 @@ class Stepper(Engine):
 
     def _output(self, seq: Sequence, new: list[int], finish: FinishReason | None,
                 error: EngineError | None = None) -> EngineOutput:
-        return EngineOutput(seq.rid, seq.output_ids if self._cumulative else new, finish,
-                            len(seq.prompt_ids), len(seq.output_ids), 0, error)
+        return make_output(seq, new, finish, self._cumulative, error)
 
-    def _deliver(self, items: list[tuple[Sequence, EngineOutput]]) -> None:
-        """Hand outputs to their sequences' sinks: one on_step call per sink."""
-        if not items:
-            return
-        groups: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
-        for seq, out in items:  # (usually one group: the worker)
-            group = groups.get(id(seq.sink))
-            if group is None:
-                group = groups[id(seq.sink)] = (seq.sink, [])
-            group[1].append(out)
-        for sink, outs in groups.values():
-            try:
-                sink.on_step(outs)
-            except Exception:  # a consumer's bug must not stop the engine
-                log.exception("%s engine: output sink failed", self.name)
+    def _deliver(self, items: Items) -> None:
+        deliver(self.name, items)

@@ -5,6 +5,8 @@ Cumulative outputs (all ids so far; SGLang hands out a live list) are sliced by 
 sent, which copies at once and bounds the slice by `completion_tokens` so a list that grew after
 the output was made cannot leak extra ids. Incremental outputs (only new ids) pass through. Every
 delta carries its offset; `offset + len(token_ids) == completion_tokens` is checked on each one.
+Logprobs, when the request asked for them, follow the ids exactly: sliced the same way, one per
+token (checked), in a list of the delta's own (merging extends it in place: `Delta.extend`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ class DeltaMaker:
             )
         if new:
             self._last_id = new[-1]
+        lps = out.logprobs
+        if lps is not None:
+            lps = lps[offset : self.sent] if self.cumulative else lps[len(lps) - len(new):]
+            if len(lps) != len(new):
+                raise EngineError(f"{self.rid}: engine output has {len(lps)} logprobs for "
+                                  f"{len(new)} tokens")
         if out.finish_reason is None:
-            return Delta(self.rid, offset, new) if new else None
+            return Delta(self.rid, offset, new, logprobs=lps) if new else None
         usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        return Delta(self.rid, offset, new, out.finish_reason, usage)
+        return Delta(self.rid, offset, new, out.finish_reason, usage, logprobs=lps)

@@ -19,7 +19,10 @@ from typing import Generic, Literal, TypeVar, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 3: tagged unions per receiver, ErrorKind on deltas
+# 3: tagged unions per receiver, ErrorKind on deltas. 4: penalties, logit_bias, min_p, logprobs and
+# constrained output in SamplingParams, logprobs on deltas and KvDone (a version-3 peer would drop
+# them silently: the handshake refuses it instead).
+PROTOCOL_VERSION = 4
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -62,6 +65,19 @@ class SamplingParams(_Frozen, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Penalties (0 / 1.0 = off): presence and frequency over the completion's tokens, in [-2, 2];
+    # repetition (> 0) over prompt and completion: a seen token's positive logit is divided by it,
+    # a negative one multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p x the likeliest
+    # Logprobs: None = off; k in [0, 20] = the sampled token's logprob and the k likeliest
+    # alternatives', per completion token (TokenLogprobs).
+    logprobs: int | None = None
+    json_schema: str | None = None  # constrained output (engines that can; others refuse it)
+    regex: str | None = None
 
 
 class Bootstrap(_Frozen, frozen=True):
@@ -116,6 +132,16 @@ class Generate(_Msg):
     resume_offset: int = 0
 
 
+class TokenLogprobs(_Msg):
+    """One completion token's logprobs: the sampled token's, and the `SamplingParams.logprobs`
+    likeliest tokens' as (id, logprob) pairs, likeliest first. The distribution is the model's own
+    (log_softmax of its raw logits, before penalties, bias, temperature or any filter)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class Delta(_Msg):
     """New tokens of one request. `offset` is how many completion tokens came before these ones;
     the receiver refuses a gap or an overlap. A delta with `finish_reason` is the request's last;
@@ -128,6 +154,30 @@ class Delta(_Msg):
     usage: Usage | None = None
     error: str = ""
     error_kind: ErrorKind | None = None
+    logprobs: list[TokenLogprobs] | None = None  # when asked for: one per token_ids item
+
+    def extend(self, later: Delta) -> None:
+        """Merge the request's next delta into this one, in place: its tokens (and their logprobs)
+        appended; its finish, error and usage (when it has one) taken."""
+        self.token_ids += later.token_ids
+        if later.logprobs:
+            if self.logprobs is None:
+                self.logprobs = list(later.logprobs)
+            else:
+                self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason
+        if later.usage is not None:
+            self.usage = later.usage
+        self.error = later.error
+        self.error_kind = later.error_kind
+
+    def joined(self, later: Delta) -> Delta:
+        """A new delta: this one merged with the request's next (`extend`); neither changes."""
+        d = Delta(self.rid, self.offset, list(self.token_ids), self.finish_reason, self.usage,
+                  self.error, self.error_kind,
+                  logprobs=None if self.logprobs is None else list(self.logprobs))
+        d.extend(later)
+        return d
 
 
 class KvLayout(_Frozen, frozen=True):
@@ -227,12 +277,14 @@ class KvHelloReply(_Tagged, tag=17):
 
 
 class KvDone(_Tagged, tag=20):
-    """The room's KV is in place (ok) with the first sampled token, or not."""
+    """The room's KV is in place (ok) with the first sampled token (and its logprobs, when the
+    request asked for them), or not."""
 
     room: int
     ok: bool
     first_token: int = -1
     error: str = ""
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]

@@ -4,7 +4,8 @@ The step is tandem.engines.stepper's, on its thread driver: the engine's step th
 computes (torch, never on the event loop), postprocesses, and hands each step's outputs to the
 loop with one `call_soon_threadsafe`, which delivers them with one `sink.on_step`. This module
 adds the model: loading a checkpoint, the page-major KV cache, and `model_step`, which runs the
-model for a batch and samples one token per sequence.
+model for a batch and samples one token per sequence (and, for the sequences that asked, computes
+their logprobs into `batch.logprobs`: tandem.engines.reference.sampler says which).
 
 `compute_hook` is the public seam for tests: when set, the step thread calls
 `compute_hook(batch, model_step)` instead of `model_step(batch)` (to hold a step, record it, or
@@ -28,7 +29,7 @@ from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, 
 from tandem.engines.pd import HandoffSpec
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
 from tandem.engines.reference.model import Llama, page_table
-from tandem.engines.reference.sampler import SampleRow, base_seed, sample
+from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
 from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
 from tandem.kv.pages import page_bytes
@@ -128,6 +129,15 @@ class ReferenceEngine(Stepper):
             rows.append(model.decode(kv, last, pos, page_table(pages_used, dev)))
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
         seqs = batch.all()
-        sample_rows = [SampleRow(s.sampling, s.seed, s.num_completion, s.banned_ids())
-                       for s in seqs]
-        return sample(logits, sample_rows)
+        sample_rows = [SampleRow(s.sampling, s.seed, s.num_completion, s.banned_ids(),
+                                 s.prompt_ids, s.output_ids, s.extras) for s in seqs]
+        asked = [i for i, s in enumerate(seqs) if s.extras and s.logprobs is not None]
+        raw = logits[asked].log_softmax(dim=-1) if asked else None  # (before sample changes it)
+        tokens = sample(logits, sample_rows)
+        if raw is not None:
+            lps = token_logprobs(raw, [seqs[i].sampling.logprobs or 0 for i in asked],
+                                 [tokens[i] for i in asked])
+            batch.logprobs = [None] * len(seqs)
+            for i, lp in zip(asked, lps):
+                batch.logprobs[i] = lp
+        return tokens

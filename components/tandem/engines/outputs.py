@@ -1,0 +1,46 @@
+"""A Stepper's outputs (tandem.engines.stepper): making one for a sequence, and delivering a step's
+with one `on_step` call per sink.
+
+Cumulative mode hands out the sequence's own growing lists (`output_ids`, and `logprobs` when asked
+for): no copy per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
+Incremental mode hands out the new ids and their logprobs only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.engines.base import EngineError, EngineOutput, OutputSink
+from tandem.engines.scheduler import Sequence
+from tandem.runtime.wire import FinishReason
+
+log = logging.getLogger("tandem.engine")
+
+Items = list[tuple[Sequence, EngineOutput]]
+
+
+def make_output(seq: Sequence, new: list[int], finish: FinishReason | None, cumulative: bool,
+                error: EngineError | None = None) -> EngineOutput:
+    """`seq`'s output now; `new` are the ids it got since its last one."""
+    lps = seq.logprobs
+    if lps is not None and not cumulative:
+        lps = lps[len(lps) - len(new):]
+    return EngineOutput(seq.rid, seq.output_ids if cumulative else new, finish,
+                        len(seq.prompt_ids), len(seq.output_ids), 0, error, lps)
+
+
+def deliver(engine: str, items: Items) -> None:
+    """Hand outputs to their sequences' sinks: one on_step call per sink."""
+    if not items:
+        return
+    groups: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
+    for seq, out in items:  # (usually one group: the worker)
+        group = groups.get(id(seq.sink))
+        if group is None:
+            group = groups[id(seq.sink)] = (seq.sink, [])
+        group[1].append(out)
+    for sink, outs in groups.values():
+        try:
+            sink.on_step(outs)
+        except Exception:  # a consumer's bug must not stop the engine
+            log.exception("%s engine: output sink failed", engine)
