@@ -26,7 +26,8 @@ def indexes_seen(events: list[dict]) -> set[int]:
 
 
 def test_worker_killed_mid_stream_fails_the_response(make_cluster) -> None:
-    c = make_cluster(workers=2, worker_args=SLOW)
+    # With moves off (--max-migrations 0): the failure path (moves are tests/fault/test_migration)
+    c = make_cluster(workers=2, worker_args=SLOW, frontend_args=["--max-migrations", "0"])
     s = Stream(c.url, "/v1/completions", body_for(c, n=4))
     for _ in range(20):  # well into the stream: every choice has sent text
         assert s.next_event() is not None

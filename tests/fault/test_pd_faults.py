@@ -21,7 +21,7 @@ LONG_PROMPT = list(range(10, 110))  # 100 tokens = 7 pages
 
 
 def pd_cluster(tiny_model, tmp_path, prefill: int, decode: int, worker_args: list[str],
-               frontend: bool = True) -> Cluster:
+               frontend: bool = True, frontend_args: list[str] | None = None) -> Cluster:
     c = Cluster(tiny_model, str(tmp_path))
     for role in ["prefill"] * prefill + ["decode"] * decode:
         extra = ["--role", role, *worker_args]
@@ -29,7 +29,7 @@ def pd_cluster(tiny_model, tmp_path, prefill: int, decode: int, worker_args: lis
             extra += ["--bootstrap-port", str(free_port())]
         c.add_worker("mock", extra)
     if frontend:
-        c.start_frontend()
+        c.start_frontend(frontend_args)
     return c
 
 
@@ -72,7 +72,9 @@ def run_streams(url: str, bodies: list[dict], during=None, timeout: float = 60.0
 
 def test_prefill_killed_during_transfer(tiny_model, tmp_path):
     # A 7-page transfer at 20 kB/s takes ~2.9 s: plenty of time to kill a prefill worker in it.
-    c = pd_cluster(tiny_model, tmp_path, 2, 1, ["--kv-bytes-per-s", "20000"])
+    # Moves off (--max-migrations 0): the failure path (moves: tests/fault/test_migration.py).
+    c = pd_cluster(tiny_model, tmp_path, 2, 1, ["--kv-bytes-per-s", "20000"],
+                   frontend_args=["--max-migrations", "0"])
     try:
         model = c.get_json("/v1/models")["data"][0]["id"]
         body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 8}
@@ -98,7 +100,8 @@ def test_prefill_killed_during_transfer(tiny_model, tmp_path):
 
 
 def test_decode_killed_mid_stream(tiny_model, tmp_path):
-    c = pd_cluster(tiny_model, tmp_path, 1, 2, ["--step-delay-ms", "20"])
+    c = pd_cluster(tiny_model, tmp_path, 1, 2, ["--step-delay-ms", "20"],
+                   frontend_args=["--max-migrations", "0"])  # the failure path
     try:
         model = c.get_json("/v1/models")["data"][0]["id"]
         body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 150}

@@ -71,7 +71,7 @@ async def test_a_trickled_head_gets_408(server: HttpServer) -> None:
 
 async def test_a_huge_head_gets_431(server: HttpServer) -> None:
     r, w = await connect(server)
-    w.write(b"GET /health HTTP/1.1\r\nx-big: " + b"a" * 8192 + b"\r\n\r\n")
+    w.write(b"GET /health HTTP/1.1\r\nx-big: " + b"a" * 8192 + b"\r\n")  # and it goes on
     status, _ = await answer(r)
     assert status == 431
     w.close()

@@ -93,10 +93,11 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
                 self._arm()  # the first bytes of a next request on a kept-alive connection
             if self._head_timer is not None:
                 self._head_bytes += len(data)
-                if self._head_bytes > limits.max_header_bytes:
-                    self._refuse(BIG)
-                    return
             super().data_received(data)
+            # Still no end of head after this many bytes (a body after a complete head is not
+            # counted: the head's end disarmed the timer).
+            if self._head_timer is not None and self._head_bytes > limits.max_header_bytes:
+                self._refuse(BIG)
 
         def on_headers_complete(self) -> None:
             self._disarm()
