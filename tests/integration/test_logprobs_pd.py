@@ -20,9 +20,6 @@ def _stream(url: str, **kw: Any) -> list[tuple[str, float, list[tuple[str, float
                 for c in ch.choices if c.logprobs for t in c.logprobs.content]
 
 
-@pytest.mark.xfail(raises=openai.BadRequestError, strict=False,
-                   reason="the reference engine's KV handoff does not carry the first token's "
-                   "logprobs yet (KvDone.first_logprobs is landing on the engine side)")
 def test_agg_and_1p1d_stream_identical_logprobs(tiny_model, tmp_path):
     from tests.cluster import Cluster, free_port
 

@@ -39,6 +39,7 @@ from tandem.runtime.wire import (
     KvHello,
     KvHelloReply,
     KvRoom,
+    TokenLogprobs,
 )
 
 log = logging.getLogger("tandem.kv")
@@ -68,6 +69,8 @@ class _Conn:
 
 
 class DecodeSide:
+    carries_logprobs = True  # fetch returns (first token, its logprobs) (tandem.engines.pd)
+
     def __init__(self, mover: KvMover, name: str, *, done_timeout_s: float,
                  transfer_timeout_s: float) -> None:
         self.mover = mover
@@ -89,9 +92,9 @@ class DecodeSide:
         return sum(len(c.rooms) for c in self._conns.values())
 
     async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> int:
-        """Ask the prefill side for the room's KV in `pages`; return the first token once the KV
-        is in place. On failure raise KvHandoffError and call `release()` once pages are safe."""
+                    release: Callable[[], None]) -> tuple[int, TokenLogprobs | None]:
+        """Ask the prefill side for the room's KV in `pages`; return the first token (and its
+        logprobs, when the request asked for them) once the KV is in place. On failure raise KvHandoffError and call `release()` once pages are safe."""
         try:
             conn = await self._connect(bootstrap)
         except BaseException:
@@ -116,7 +119,7 @@ class DecodeSide:
             release()
             raise KvHandoffError(f"room {bootstrap.room}: prefill failed: "
                                  f"{done.error or 'no first token'}")
-        return done.first_token
+        return done.first_token, done.first_logprobs
 
     async def _quarantine(self, conn: _Conn, room: int, pending: _Pending) -> None:
         try:

@@ -29,7 +29,9 @@ from tandem.kv.movers import KvMover
 from tandem.runtime import transport, wire
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
-from tandem.runtime.wire import KvCancel, KvDone, KvHello, KvHelloReply, KvLayout, KvRoom
+from tandem.runtime.wire import (
+    KvCancel, KvDone, KvHello, KvHelloReply, KvLayout, KvRoom, TokenLogprobs,
+)
 
 log = logging.getLogger("tandem.kv")
 
@@ -63,6 +65,8 @@ class _Peer:
 
 
 class PrefillSide:
+    carries_logprobs = True  # KvDone carries the first token's logprobs (tandem.engines.pd)
+
     def __init__(self, mover: KvMover, host: str, port: int, *, room_timeout_s: float,
                  transfer_timeout_s: float, advertise_host: str = "") -> None:
         self.mover = mover
@@ -114,17 +118,18 @@ class PrefillSide:
             raise KvHandoffError(f"room {room}: no decode worker sent its pages within "
                                  f"{self.room_timeout_s:.0f}s") from None
 
-    def send(self, room: int, dest: Destination, local_pages: Sequence[int],
-             first_token: int) -> asyncio.Task[KvHandoffError | None]:
+    def send(self, room: int, dest: Destination, local_pages: Sequence[int], first_token: int,
+             first_logprobs: TokenLogprobs | None = None) -> asyncio.Task[KvHandoffError | None]:
         """Start the WRITE of the prompt's KV into `dest`; KvDone goes to the decode side once it
         has ended. The write is a task of ours (closed with us) whose result is None, or the
         KvHandoffError it failed with; the caller holds `local_pages` until it is done."""
         self._rooms.pop(room, None)
-        return self._tasks.spawn(self._send(room, dest, list(local_pages), first_token),
+        return self._tasks.spawn(self._send(room, dest, list(local_pages), first_token,
+                                            first_logprobs),
                                  name=f"kv-send {room}")
 
-    async def _send(self, room: int, dest: Destination, local: list[int],
-                    first: int) -> KvHandoffError | None:
+    async def _send(self, room: int, dest: Destination, local: list[int], first: int,
+                    first_logprobs: TokenLogprobs | None) -> KvHandoffError | None:
         n = len(dest.pages)
         if n > len(local):
             self._done(dest, KvDone(room, False, error="decode side asked for more pages"))
@@ -141,7 +146,7 @@ class PrefillSide:
         finally:
             if peer is not None:
                 peer.writes -= 1
-        self._done(dest, KvDone(room, True, first))
+        self._done(dest, KvDone(room, True, first, first_logprobs=first_logprobs))
         return None
 
     def fail(self, room: int, error: str) -> None:

@@ -64,9 +64,7 @@ class Outbox:
             prev = self._open.get(rid)
             if prev is not None:
                 # Contiguous by construction: one DeltaMaker per request, in order.
-                prev.token_ids.extend(delta.token_ids)
-                prev.finish_reason = delta.finish_reason
-                prev.usage = delta.usage
+                prev.extend(delta)  # tokens and their logprobs, finish, usage
                 if delta.finish_reason is not None:
                     del self._open[rid]
                 return
