@@ -280,6 +280,8 @@ async def test_small_endpoints(pre: Preprocessor) -> None:
         pool.is_ready = False
         r = await c.get("/health")
         assert r.status_code == 503
+        live = await c.get("/live")  # liveness does not depend on the workers
+        assert live.status_code == 200 and live.json() == {"status": "live"}
         pool.is_ready = True
         models = (await c.get("/v1/models")).json()
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256

@@ -84,8 +84,8 @@ class FrontendApp:
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
         self._get: dict[str, Callable[[ResponseWriter], Awaitable[None]]] = {
-            "/v1/models": self._models, "/health": self._health, "/metrics": self._metrics,
-            "/workers": self._workers,
+            "/v1/models": self._models, "/health": self._health, "/live": self._live,
+            "/metrics": self._metrics, "/workers": self._workers,
         }
         self._post = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
         self._post_small: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
@@ -143,7 +143,7 @@ class FrontendApp:
             else:
                 await ex.error(errors.NotFound(f"No route for {method} {path}."))
             self.metrics.requests.labels(endpoint, str(ex.status)).inc()
-            if endpoint not in ("/metrics", "/health"):  # probes and scrapes: not traffic
+            if endpoint not in ("/metrics", "/health", "/live"):  # probes, scrapes: not traffic
                 self.traffic.record(method, path, ex.status, "", 0, 0, None,
                                     time.monotonic() - t0)
         except ClientGone:
@@ -316,6 +316,10 @@ class FrontendApp:
         else:
             status = b"draining" if self.draining else b"unavailable"
             await ex.reply(503, b'{"status":"' + status + b'"}', JSON)
+
+    async def _live(self, ex: ResponseWriter) -> None:
+        """Liveness: the process answers (whatever its workers; /health is readiness)."""
+        await ex.reply(200, b'{"status":"live"}', JSON)
 
     async def _metrics(self, ex: ResponseWriter) -> None:
         await ex.reply(200, self.registry.render().encode(), CONTENT_TYPE)
