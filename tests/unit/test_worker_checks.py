@@ -58,6 +58,7 @@ LIMITS = Limits(vocab_size=100, max_context=64)
     Generate("r", [1, 2], SamplingParams()),
     Generate("r", [99], SamplingParams(max_tokens=0, top_k=5, seed=2**64 - 1, temperature=0.0)),
     Generate("r", [0] * 64, SamplingParams(stop_token_ids=(1, 2)), Bootstrap("h", 1, 0)),
+    Generate("r", [1, 2, 3], SamplingParams(), None, 2),  # a moved request: 2 ids were output
 ])
 def test_acceptable_generates_pass(g: Generate) -> None:
     assert check_generate(g, LIMITS) is None
@@ -84,6 +85,8 @@ def test_acceptable_generates_pass(g: Generate) -> None:
     (Generate("r", [1], SamplingParams(), Bootstrap("", 1, 0)), "host"),
     (Generate("r", [1], SamplingParams(), Bootstrap("h", 70000, 0)), "port"),
     (Generate("r", [1], SamplingParams(), Bootstrap("h", 1, -1)), "room"),
+    (Generate("r", [1, 2], SamplingParams(), None, 2), "resume_offset"),
+    (Generate("r", [1, 2], SamplingParams(), None, -1), "resume_offset"),
 ])
 def test_unacceptable_generates_say_why(g: Generate, words: str) -> None:
     why = check_generate(g, LIMITS)

@@ -60,6 +60,10 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     bootstrap: Bootstrap | None = None
+    # A request moved from a lost worker: the last `resume_offset` prompt ids are completion
+    # tokens an earlier leg already produced. Positions (seeded draws, min_tokens) and penalties
+    # count them as output, so the continuation is what an unbroken run would have produced.
+    resume_offset: int = 0
 
 
 @dataclass(slots=True)

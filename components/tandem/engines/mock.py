@@ -65,9 +65,9 @@ def mock_adjusted(natural: int, seq: Sequence, vocab: int, avoid: frozenset[int]
         scores[tok] = scores.get(tok, 0.0) + bias
     counts: dict[int, int] = {}
     if p.frequency_penalty or p.presence_penalty:
-        for tok in seq.output_ids:
+        for tok in seq.all_output:
             counts[tok] = counts.get(tok, 0) + 1
-    seen = set(seq.prompt_ids).union(seq.output_ids) if p.repetition_penalty != 1.0 else set()
+    seen = set(seq.origin_prompt).union(seq.all_output) if p.repetition_penalty != 1.0 else set()
     fallback = next((t for t in ((natural + j) % vocab for j in range(1, vocab))
                      if t not in scores and t not in avoid and t not in banned
                      and t not in counts and t not in seen), natural)
@@ -155,7 +155,7 @@ class MockEngine(Stepper):
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid
         seqs = batch.all()
-        tokens = [mock_token(s.prompt_ids, len(s.output_ids), vocab, avoid) for s in seqs]
+        tokens = [mock_token(s.origin_prompt, s.position, vocab, avoid) for s in seqs]
         extras = [i for i, s in enumerate(seqs) if s.extras]
         if extras:
             self._extras(batch, seqs, tokens, extras)

@@ -59,6 +59,7 @@ class Sequence:
     done: bool = False  # its last output went out, or it was cancelled: no more outputs
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
+    resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -76,14 +77,31 @@ class Sequence:
     def needs_prefill(self) -> bool:
         return self.num_cached < len(self.prompt_ids)
 
+    @property
+    def position(self) -> int:
+        """Completion tokens before the next one, counting an earlier leg's (its draw position)."""
+        return self.resume + len(self.output_ids)
+
+    @property
+    def origin_prompt(self) -> list[int]:
+        """The prompt as the client sent it (without an earlier leg's completion tokens)."""
+        return self.prompt_ids[:len(self.prompt_ids) - self.resume] if self.resume else self.prompt_ids
+
+    @property
+    def all_output(self) -> list[int]:
+        """Every completion token so far, an earlier leg's included (what penalties look at)."""
+        if self.resume:
+            return self.prompt_ids[len(self.prompt_ids) - self.resume:] + self.output_ids
+        return self.output_ids
+
     def banned_ids(self) -> frozenset[int]:
         """Stop ids may not be sampled before min_tokens completion tokens exist."""
-        return self.stop_ids if self.num_completion < self.sampling.min_tokens else frozenset()
+        return self.stop_ids if self.position < self.sampling.min_tokens else frozenset()
 
     def finish_after(self, token: int) -> FinishReason | None:
         """Record a sampled token; return why the sequence ends now, if it does."""
         self.output_ids.append(token)
-        if token in self.stop_ids and self.num_completion >= self.sampling.min_tokens:
+        if token in self.stop_ids and self.position >= self.sampling.min_tokens:
             return "stop"
         if self.num_tokens >= self.max_total:
             return "length"

@@ -135,7 +135,7 @@ class Stepper(Engine):
         return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
                         max_total=max_total, stop_ids=frozenset(stop),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
-                        bootstrap=req.bootstrap,
+                        bootstrap=req.bootstrap, resume=req.resume_offset,
                         logprobs=None if req.sampling.logprobs is None else [],
                         extras=req.sampling.logprobs is not None or adjusts_logits(req.sampling))
 

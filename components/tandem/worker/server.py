@@ -233,7 +233,7 @@ class WorkerServer:
             return refuse(ErrorKind.BAD_REQUEST, why)
         if msg.rid in self._requests:
             return refuse(ErrorKind.DUPLICATE, "duplicate request id")
-        req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap)
+        req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap, msg.resume_offset)
         try:
             handle = self.engine.submit(req, self)
         except EngineError as e:

@@ -38,6 +38,8 @@ def check_generate(g: Generate, limits: Limits) -> str | None:
     if not g.rid or len(g.rid) > MAX_RID_CHARS:
         return f"request id must have 1 to {MAX_RID_CHARS} characters"
     why = check_prompt(g.prompt_ids, limits)
+    if why is None and not 0 <= g.resume_offset < len(g.prompt_ids):
+        why = "resume_offset must be at least 0 and less than the prompt's length"
     if why is None:
         why = check_sampling(g.sampling, limits)
     if why is None and g.bootstrap is not None:

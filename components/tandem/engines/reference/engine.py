@@ -129,8 +129,8 @@ class ReferenceEngine(Stepper):
             rows.append(model.decode(kv, last, pos, page_table(pages_used, dev)))
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
         seqs = batch.all()
-        sample_rows = [SampleRow(s.sampling, s.seed, s.num_completion, s.banned_ids(),
-                                 s.prompt_ids, s.output_ids, s.extras) for s in seqs]
+        sample_rows = [SampleRow(s.sampling, s.seed, s.position, s.banned_ids(),
+                                 s.origin_prompt, s.all_output, s.extras) for s in seqs]
         asked = [i for i, s in enumerate(seqs) if s.extras and s.logprobs is not None]
         raw = logits[asked].log_softmax(dim=-1) if asked else None  # (before sample changes it)
         tokens = sample(logits, sample_rows)
