@@ -290,3 +290,18 @@ async def test_waiters_fail_fast_when_the_last_worker_goes_down():
         await asyncio.wait_for(waiter, 1)
     with pytest.raises(errors.Unavailable):
         pool.open([3], SP)
+
+
+def test_an_unreachable_worker_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+    from tandem.runtime.channel import memory_pair
+
+    now = [100.0]
+    frontend_end, _worker_end = memory_pair()
+    link = WorkerLink("tcp://10.0.0.9:7100", "fe", frontend_end, clock=lambda: now[0],
+                      heartbeat_deadline_s=3.0)
+    with caplog.at_level("WARNING", logger="tandem.router"):
+        for _ in range(20):  # 10 s of heartbeats with no answer to the handshake
+            link.tick()
+            now[0] += 0.5
+    said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(said) == 1 and "tcp://10.0.0.9:7100" in said[0], said

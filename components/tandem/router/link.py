@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import logging
 import time
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class WorkerLink:
         self.on_capacity: Callable[[], None] = _nothing
         self.protocol_errors = 0  # deltas refused for a gap or an overlap
         self.last_seen = 0.0
+        self._asking_since: float | None = None  # handshake unanswered since (said once)
         self._placed: dict[str, Generate] = {}  # placed in this loop pass, not yet sent
         self._credit = 0  # Deltas messages handed to their requests, not yet credited back
         self._seq = itertools.count(1)
@@ -152,7 +154,15 @@ class WorkerLink:
             else:
                 self._send_quietly(LoadQuery(0))
         if self.state in ("connecting", "down"):
+            if self._asking_since is None:
+                self._asking_since = now
+            elif now - self._asking_since > self.heartbeat_deadline_s:
+                log.warning("worker %s is unreachable: no answer to the handshake for %gs "
+                            "(still trying)", self.address, now - self._asking_since)
+                self._asking_since = math.inf  # said once, until it answers
             self._send_quietly(Hello(wire.PROTOCOL_VERSION, self.frontend_id))
+        else:
+            self._asking_since = None
 
     def on_message(self, msg: wire.ToFrontend) -> None:
         self.last_seen = self.clock()
