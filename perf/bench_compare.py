@@ -45,8 +45,9 @@ def _worktree(commit: str) -> str:
 
 def _run(tree: str, args: argparse.Namespace, out: str) -> list[dict]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(tree, "runtime"),
-                                         os.path.join(tree, "components"), ROOT])
+    # The load generator is this tree's; only the cluster's processes run `tree`'s code.
+    env["TANDEM_SERVER_PYTHONPATH"] = os.pathsep.join([os.path.join(tree, "runtime"),
+                                                       os.path.join(tree, "components")])
     cmd = [sys.executable, "-m", "perf.sweep", "--launch", args.shape, "--model", args.model,
            "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
            "--requests-per-level", str(args.requests_per_level), "--rounds", str(args.rounds),

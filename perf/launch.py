@@ -52,7 +52,10 @@ def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
     quiet = ["--log-level", "WARNING"]
     p = plan(Shape.parse(shape), model, worker_args=["--engine", "mock", *quiet, *worker_args],
              frontend_args=[*quiet, *frontend_args])
-    out = Launched(LocalCluster(p, log_dir=log_dir))
+    # perf.bench_compare runs a baseline commit's servers under this tree's load generator.
+    server_path = os.environ.get("TANDEM_SERVER_PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": server_path} if server_path else None
+    out = Launched(LocalCluster(p, log_dir=log_dir, env=env))
     try:
         out.cluster.start()
         out.cluster.wait_ready(ready_timeout_s)
