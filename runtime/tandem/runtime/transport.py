@@ -128,10 +128,10 @@ def refused(socket: str, what: str, log: logging.Logger, detail: object = "") ->
                     f": {detail}" if detail else "")
 
 
-async def router_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
-                          log: logging.Logger) -> AsyncIterator[tuple[bytes, M]]:
-    """Every (identity, message) arriving on a ROUTER socket, fairly: bad frames are counted,
-    logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages."""
+async def _frames_in(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M], log: logging.Logger,
+                    frames: int) -> AsyncIterator[tuple[list[bytes], M]]:
+    """Every message with `frames` frames (the last two: type byte, payload), fairly: bad ones are
+    counted, logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages."""
     n = 0
     while True:
         n += 1
@@ -139,29 +139,25 @@ async def router_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
             await asyncio.sleep(0)
         parts = await sock.recv_multipart()
         try:
-            if len(parts) != 3:
-                raise wire.ProtocolError(f"{decoder.name}: expected 3 frames, got {len(parts)}")
-            msg = decoder.decode(parts[1], parts[2])
+            if len(parts) != frames:
+                raise wire.ProtocolError(
+                    f"{decoder.name}: expected {frames} frames, got {len(parts)}")
+            msg = decoder.decode(parts[-2], parts[-1])
         except wire.ProtocolError as e:
             _dropped(decoder, e, log)
             continue
+        yield parts, msg
+
+
+async def router_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
+                          log: logging.Logger) -> AsyncIterator[tuple[bytes, M]]:
+    """Every (identity, message) arriving on a ROUTER socket (see _frames_in)."""
+    async for parts, msg in _frames_in(sock, decoder, log, 3):
         yield parts[0], msg
 
 
 async def dealer_messages(sock: zmq.asyncio.Socket, decoder: wire.Decoder[M],
                           log: logging.Logger) -> AsyncIterator[M]:
-    """Every message arriving on a DEALER socket, fairly (as router_messages)."""
-    n = 0
-    while True:
-        n += 1
-        if n % RECV_BATCH == 0:
-            await asyncio.sleep(0)
-        parts = await sock.recv_multipart()
-        try:
-            if len(parts) != 2:
-                raise wire.ProtocolError(f"{decoder.name}: expected 2 frames, got {len(parts)}")
-            msg = decoder.decode(parts[0], parts[1])
-        except wire.ProtocolError as e:
-            _dropped(decoder, e, log)
-            continue
+    """Every message arriving on a DEALER socket (see _frames_in)."""
+    async for _, msg in _frames_in(sock, decoder, log, 2):
         yield msg
