@@ -12,7 +12,7 @@ import pytest
 
 from tandem.frontend import sse
 from tandem.frontend.preprocess import Preprocessor
-from tandem.frontend.respond import ChoiceState
+from tandem.frontend.choice import ChoiceState
 from tandem.runtime import errors
 from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
 from tests.fakes import FakePool, Hang, Item, deltas, write_model_dir

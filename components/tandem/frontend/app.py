@@ -33,6 +33,7 @@ from tandem.frontend import validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
+from tandem.frontend.limits import BODY_NOWAIT
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
@@ -113,7 +114,8 @@ class FrontendApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        ex = ResponseWriter(send)
+        ext = scope.get("extensions")
+        ex = ResponseWriter(send, ext.get(BODY_NOWAIT) if ext else None)
         t0 = time.monotonic()
         if self._stats is None and self.config.log_stats_interval_s > 0 and not self.draining:
             self._stats = asyncio.ensure_future(log_stats(

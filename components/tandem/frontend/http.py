@@ -102,12 +102,19 @@ async def _read_body(receive: Receive, max_bytes: int) -> bytes:
 
 class ResponseWriter:
     """The response side of one HTTP exchange. A failed write marks the client gone and raises
-    `ClientGone`; `status` is what was sent (0 until the response starts)."""
+    `ClientGone`; `status` is what was sent (0 until the response starts).
 
-    __slots__ = ("_send", "status", "finished", "gone")
+    `write_nowait(data)` writes a body chunk of a started response without awaiting, through
+    `body_nowait`, a server's own way to write a chunk now (tandem's uvicorn protocol offers one:
+    tandem.frontend.limits.BODY_NOWAIT). It returns False, having written nothing, when the server
+    cannot take the chunk now (a slow client: writing is paused; the client is gone) or offers no
+    such way: the caller then awaits `body`, which waits as the server says."""
 
-    def __init__(self, send: Send):
+    __slots__ = ("_send", "_nowait", "status", "finished", "gone")
+
+    def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None):
         self._send = send
+        self._nowait = body_nowait
         self.status = 0
         self.finished = False
         self.gone = False
@@ -115,6 +122,16 @@ class ResponseWriter:
     @property
     def started(self) -> bool:
         return self.status != 0
+
+    @property
+    def can_write_nowait(self) -> bool:
+        """The response started, the client is there, and the server offers `body_nowait`."""
+        return self.status != 0 and not self.gone and self._nowait is not None
+
+    def write_nowait(self, data: bytes) -> bool:
+        """A body chunk (more follow), written now; False: not written (see the class)."""
+        nowait = self._nowait
+        return nowait is not None and not self.gone and nowait(data)
 
     async def _emit(self, message: Message) -> None:
         if self.gone:

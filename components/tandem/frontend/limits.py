@@ -22,6 +22,7 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -72,8 +73,25 @@ def raise_fd_limit(wanted: int) -> int:
     return room
 
 
+BODY_NOWAIT = "tandem.body_nowait"  # the scope extension: `fn(data) -> bool`, see _body_nowait
+
+
+def _body_nowait(cycle: Any, data: bytes) -> bool:
+    """A body chunk of a started, chunked (streamed) response, written straight to the connection
+    when it can take it now: what uvicorn's `send` does for such a chunk, without the ASGI message
+    and the coroutine. False (nothing written) whenever `send` would do anything else: writing is
+    paused (a slow client), the client is gone, the response is not a started chunked one; the
+    caller then uses `send`."""
+    if (cycle.flow.write_paused or cycle.disconnected or not cycle.response_started
+            or cycle.response_complete or not cycle.chunked_encoding or not data):
+        return False
+    cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+    return True
+
+
 def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with the limits above (pass it as `uvicorn.Config(http=)`)."""
+    """uvicorn's httptools protocol with the limits above (pass it as `uvicorn.Config(http=)`),
+    offering the app `BODY_NOWAIT` in each request's scope extensions."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Guarded(HttpToolsProtocol):
@@ -102,6 +120,10 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            cycle: Any = self.cycle  # (its task is created, not run: the app sees this)
+            if cycle is not None:
+                ext: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+                ext[BODY_NOWAIT] = partial(_body_nowait, cycle)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

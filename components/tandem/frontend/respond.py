@@ -1,20 +1,28 @@
 """The response loop: the only code in the frontend that loops over a request's deltas, for one
-choice or many, streamed (SSE) or aggregated (one JSON body).
-
-`ChoiceState` is one choice's state and nothing else: its detokenizer (stop strings included), the
-`stream_interval` decision, its counts and its finish. It is pure: `feed(delta)` returns the SSE
-bytes to write now (none when aggregated, or when the interval says wait), so it is tested without
-I/O.
+choice or many, streamed (SSE) or aggregated (one JSON body). Each choice's state is a
+tandem.frontend.choice.ChoiceState (pure: a delta in, the bytes to write out).
 
 `respond(job, handles, writer, metrics)` enters every choice's request handle (placement; leaving
 aborts what has not finished), then multiplexes them: each handle's collector says when it holds
 something, and one pass takes every ready choice's (merged) delta, feeds it, and writes what they
 produced as one body write. The streamed response starts at the first delta of any choice that is
-not an error, so an error before it keeps its own HTTP status; after it, a failure writes what every unfinished choice
-had buffered (no choice is shown a finish it did not reach), one `data: {"error": ...}` event, then
-`data: [DONE]`. One failing choice fails the response. A choice cut by a stop string is left at
-once (its request aborted on the worker). TTFT, inter-token latency, stream chunks, tokens and
-errors are recorded here, the same way for every response.
+not an error, so an error before it keeps its own HTTP status; after it, a failure writes what
+every unfinished choice had buffered (no choice is shown a finish it did not reach), one
+`data: {"error": ...}` event, then `data: [DONE]`. One failing choice fails the response. A
+choice cut by a stop string is left at once (its request aborted on the worker). TTFT,
+inter-token latency, stream chunks, tokens and errors are recorded here, the same way for every
+response.
+
+Push. The task that owns a response is not woken for every token. While it waits (the response
+started, or it is aggregated) and nothing is queued, a delta that is neither a choice's last nor
+an error is handled at the end of the event loop pass in which it arrived (one callback per pass
+for all responses, `_Pusher`; deltas of one request that arrive in the same pass merge in its
+collector first): fed to its choice and written with `ResponseWriter.write_nowait`, which writes
+at once when the server can take it. Everything else wakes the task, which does the same through the same
+`_Response.one`: the first delta (the response starts), a finish, an error, a choice a stop string
+ended (left by the task), a writer that cannot take a write now (a slow client: the server paused
+writing; the task waits for it, while the collector merges what arrives meanwhile). Order is kept:
+push only runs while the task is parked with nothing queued.
 
 The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
 produced: `completion_tokens` is every token received by every
@@ -28,20 +36,22 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from tandem.frontend import openai_api as api
 from tandem.frontend import sse
-from tandem.frontend.detokenizer import Detokenizer
-from tandem.frontend.http import JSON, ClientGone, ResponseWriter, error_of
+from tandem.frontend.choice import (ChoiceSpec, ChoiceState, GenerationJob, RichChoiceState,
+                                    state_of)
+from tandem.frontend.http import JSON, ClientGone, ResponseWriter
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
-from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
+from tandem.runtime.wire import Delta
+
+__all__ = ["ChoiceSpec", "ChoiceState", "GenerationJob", "Handle", "respond"]
 
 log = logging.getLogger("tandem.frontend")
 _encode = msgspec.json.Encoder().encode
@@ -59,242 +69,178 @@ class Handle(Protocol):
     async def __aexit__(self, *exc_info: Any) -> Any: ...
 
 
-@dataclass(slots=True)
-class ChoiceSpec:
-    """One choice: its prompt (a completions request may carry several), its sampling (its own
-    seed) and its detokenizer. A choice's `index` is its position in the job."""
+class _Pusher:
+    """Runs the pushes marked during one event loop pass at its end, with one callback per pass
+    for every response: deltas of a request that arrive in the same pass merge first."""
 
-    prompt_index: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    detokenizer: Detokenizer
-    echo: str = ""  # completions `echo`: the prompt's text, before the completion's
-
-
-@dataclass(slots=True)
-class GenerationJob:
-    """A validated, tokenized request, ready for the pool: every choice in `index` order."""
-
-    kind: Literal["chat", "completion"]
-    model: str
-    stream: bool
-    include_usage: bool
-    interval: int
-    t0: float  # time.monotonic() at arrival
-    choices: list[ChoiceSpec]
-    logprobs: int | None = None  # render the tokens' logprobs (None: the response has none)
-    continuous_usage: bool = False  # usage in every streamed chunk
-    token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
-    # What the response loop reports back, for the access log:
-    rid: str = ""
-    completion_tokens: int = 0
-    ttft: float | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Every prompt counted once, however many choices it has (as vLLM does)."""
-        seen = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
-        return sum(seen.values())
-
-
-class ChoiceState:
-    """One choice's state. With an encoder it streams: `feed` returns the chunks to write now, the
-    first text at once, then every `interval` tokens, always on the finish. Without one it only
-    collects its text (`text`) for the aggregated body."""
-
-    __slots__ = ("detok", "enc", "interval", "buf", "buf_tokens", "num_tokens", "num_chunks",
-                 "finish", "sent", "head")
-
-    def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None, interval: int,
-                 role: bool = False, prefix: str = "") -> None:
-        self.detok = detok
-        self.enc = enc
-        self.interval = interval
-        self.buf: list[str] = [prefix] if prefix else []
-        self.buf_tokens = 0
-        self.num_tokens = 0  # every token received, those a stop string cut included
-        self.num_chunks = 0  # streamed chunks that carried text
-        self.finish: str | None = None
-        self.sent = False  # whether any text went out yet
-        self.head = enc.role() if enc is not None and role else b""  # chat: the role chunk
-
-    def feed(self, d: Delta) -> bytes:
-        """Take one (possibly merged) delta. Raises the request's error for an error delta (what
-        is buffered stays for `flush`)."""
-        ids = d.token_ids
-        self.num_tokens += len(ids)
-        self.buf_tokens += len(ids)
-        fin: str | None = d.finish_reason
-        if fin == "error":
-            raise error_of(d)
-        detok = self.detok
-        text = detok.step(ids, fin is not None)
-        if text:
-            self.buf.append(text)
-        if detok.stopped:
-            fin = "stop"
-        enc = self.enc
-        if fin is not None:
-            self.finish = fin
-            if enc is None:
-                return b""
-            text = "".join(self.buf)
-            self.buf.clear()
-            self.num_chunks += bool(text)
-            out = self.head + (enc.text(text, fin) if text else enc.finish(fin))
-            self.head = b""
-            return out
-        if enc is None:
-            return b""
-        if self.buf and (not self.sent or self.buf_tokens >= self.interval):
-            out = self.head + enc.text("".join(self.buf))
-            self.head = b""
-            self.sent = True
-            self.buf.clear()
-            self.buf_tokens = 0
-            self.num_chunks += 1
-            return out
-        out, self.head = self.head, b""
-        return out
-
-    def flush(self) -> bytes:
-        """What an unfinished streamed choice holds back, as a chunk without a finish reason."""
-        if self.enc is None or self.finish is not None or not self.buf:
-            return b""
-        text = "".join(self.buf)
-        self.buf.clear()
-        out, self.head = self.head + self.enc.text(text), b""
-        return out
-
-    @property
-    def text(self) -> str:
-        return "".join(self.buf)
-
-
-class RichChoiceState(ChoiceState):
-    """A choice whose response carries more than text: its tokens' logprobs (streamed with the
-    chunk that carries them, or all in the body) and/or the usage so far in every chunk."""
-
-    __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous")
-
-    def __init__(self, job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
-                 created: int) -> None:
-        enc = sse.RichChunkEncoder(job.kind, rid, created, job.model, index, self) \
-            if job.stream else None
-        super().__init__(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
-        self.kind = job.kind
-        self.token = job.token
-        self.want_logprobs = job.logprobs is not None and job.token is not None
-        self.lps: list[TokenLogprobs] = []  # streamed: not sent yet; aggregated: all
-        self.offset = len(spec.echo)
-        self.prompt_tokens = len(spec.prompt_ids)
-        self.continuous = job.continuous_usage
-
-    def feed(self, d: Delta) -> bytes:
-        if self.want_logprobs and d.logprobs:
-            self.lps += d.logprobs
-        return ChoiceState.feed(self, d)
-
-    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None:
-        if not self.want_logprobs or self.token is None:
-            return None
-        lps, self.lps = self.lps, []
-        if self.kind == "chat":
-            return api.chat_logprobs(lps, self.token)
-        out = api.completion_logprobs(lps, self.token, self.offset)
-        if out.tokens:
-            self.offset = out.text_offset[-1] + len(out.tokens[-1])
-        return out
-
-    def usage_now(self) -> api.UsageInfo | None:
-        return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None
-
-
-def _state(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
-           created: int) -> ChoiceState:
-    if job.continuous_usage or job.logprobs is not None:
-        return RichChoiceState(job, spec, index, rid, created)
-    enc = sse.ChunkEncoder(job.kind, rid, created, job.model, index) if job.stream else None
-    return ChoiceState(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
-
-
-class _Ready:
-    """The indexes of the choices whose collectors hold something, in arrival order."""
-
-    __slots__ = ("queue", "waiter")
+    __slots__ = ("marked", "loop")
 
     def __init__(self) -> None:
-        self.queue: deque[int] = deque()
-        self.waiter: asyncio.Future[None] | None = None
+        self.marked: list[tuple[_Response, int]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    def add(self, index: int) -> None:
-        self.queue.append(index)
+    def mark(self, r: _Response, i: int) -> None:
+        loop = asyncio.get_running_loop()
+        if not self.marked or loop is not self.loop:  # (a loop that closed took its callback)
+            self.marked.clear()
+            self.loop = loop
+            loop.call_soon(self.run)
+        self.marked.append((r, i))
+
+    def run(self) -> None:
+        marked, self.marked = self.marked, []
+        for r, i in marked:
+            r.pushed(i)
+
+
+_PUSHER = _Pusher()
+
+
+class _Response:
+    """One response's loop state, shared by its task (`run`) and by `push`."""
+
+    __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "queue",
+                 "waiter", "parked", "leaving", "crash", "takes", "peeks", "observe", "out")
+
+    def __init__(self, job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
+                 m: FrontendMetrics, rid: str, created: int) -> None:
+        self.job, self.handles, self.w, self.m = job, handles, w, m
+        self.states = [state_of(job, c, i, rid, created) for i, c in enumerate(job.choices)]
+        self.last = [0.0] * len(self.states)  # when each choice last got a delta
+        self.first_at = self.placed_at = 0.0
+        self.queue: deque[int] = deque()  # choices whose collector holds something, for the task
+        self.waiter: asyncio.Future[None] | None = None
+        self.parked = False  # the task waits and push may handle deltas
+        self.leaving: list[int] = []  # choices push saw a stop string end: the task leaves them
+        self.crash: BaseException | None = None  # what push raised: the task raises it
+        self.takes = [h.collector.take for h in handles]
+        self.peeks = [h.collector.peek for h in handles]
+        self.observe = m.itl.observe_n
+        self.out: list[bytes] = []  # produced, not written yet (the task writes it)
+
+    def ready(self, i: int) -> None:
+        """Choice `i`'s collector turned non-empty (the collector's listener)."""
+        if self.parked and not self.queue:
+            _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
+            return
+        self.queue.append(i)
+        self.wake()
+
+    def pushed(self, i: int) -> None:
+        """The end of the loop pass in which choice `i` turned ready while the task waited."""
+        if not (self.parked and not self.queue and self.push(i)):
+            self.queue.append(i)
+            self.wake()
+
+    def wake(self) -> None:
+        self.parked = False
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
+    def one(self, i: int, d: Delta) -> bytes:
+        """Choice `i` takes delta `d`: metrics, then its bytes (an error delta raises)."""
+        now = time.monotonic()
+        last = self.last[i]
+        if last:
+            k = len(d.token_ids)
+            if k:  # inter-token latency per token, not per delta
+                self.observe((now - last) / k, k)
+        elif not self.first_at:
+            self.first_at = now
+            self.m.ttft.observe(now - self.job.t0)
+            self.m.prefill_time.observe(now - self.placed_at)
+        self.last[i] = now
+        return self.states[i].feed(d)
 
+    def push(self, i: int) -> bool:
+        """Handle choice `i`'s delta here, without the task; False: it is the task's."""
+        d = self.peeks[i]()
+        if d is None or d.finish_reason is not None:  # a failure, a finish: the task's
+            return False
+        st = self.states[i]
+        stream = self.job.stream
+        if st.finish is None and stream and not self.w.can_write_nowait:
+            return False  # (the task writes, as the server lets it)
+        self.takes[i]()
+        if st.finish is not None:
+            return True  # after a stop string: dropped, as the task would
+        try:
+            data = self.one(i, d)
+        except Exception as e:  # (a bug: the task raises it as its own)
+            self.crash = e
+            self.wake()
+            return True
+        if data and not self.w.write_nowait(data):  # the server cannot take it now
+            self.out.append(data)  # the task writes it, waiting as the server says
+            self.wake()
+        if st.finish is not None:  # a stop string ended it: the task leaves its request
+            self.leaving.append(i)
+            self.wake()
+        return True
+
+    async def run(self, entered: list[Handle]) -> None:
+        """Place every choice (each one placed goes in `entered`), then take deltas until every
+        choice finished (or one failed); `out` keeps what was produced and not written yet."""
+        job, handles, w, states, queue = self.job, self.handles, self.w, self.states, self.queue
+        out = self.out
+        for h in handles:
+            await h.__aenter__()
+            entered.append(h)
+        self.placed_at = time.monotonic()
+        self.m.queue_time.observe(self.placed_at - job.t0)
+        for i, h in enumerate(handles):
+            h.collector.listen(partial(self.ready, i))
+        loop = asyncio.get_running_loop()
+        to_start = job.stream
+        left = len(states)
+        while left:
+            if not queue and not self.leaving and not out:
+                if self.crash is not None:
+                    raise self.crash
+                self.waiter = waiter = loop.create_future()
+                self.parked = not to_start
+                try:
+                    await waiter
+                finally:
+                    self.parked = False
+            while self.leaving:  # push saw a stop string end these
+                i = self.leaving.pop()
+                left -= 1
+                await handles[i].__aexit__(None, None, None)
+            while queue:
+                i = queue.popleft()
+                st = states[i]
+                d = self.takes[i]()
+                if d is None or st.finish is not None:
+                    continue  # (deltas after a stop string: the request is being left)
+                data = self.one(i, d)  # (an error delta raises: the status is still free)
+                if to_start:
+                    to_start = False
+                    await w.start(200, sse.HEADERS)
+                if data:
+                    out.append(data)
+                if st.finish is not None:
+                    left -= 1
+                    await handles[i].__aexit__(None, None, None)  # a stop string: abort
+            if left and out:
+                data = out[0] if len(out) == 1 else b"".join(out)
+                out.clear()
+                await w.body(data)
 async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                   m: FrontendMetrics) -> None:
     chat = job.kind == "chat"
     rid = job.rid = ("chatcmpl-" if chat else "cmpl-") + handles[0].rid
     created = int(time.time())
-    states = [_state(job, c, i, rid, created) for i, c in enumerate(job.choices)]
+    r = _Response(job, handles, w, m, rid, created)
+    states = r.states
     m.prompt_tokens.inc(job.prompt_tokens)
-    last = [0.0] * len(states)
-    placed_at = last_at = 0.0
     entered: list[Handle] = []
-    ready = _Ready()
-    left = len(states)
-    first_at = 0.0
     failure: errors.TandemError | None = None
-    out: list[bytes] = []
+    out = r.out
     try:
         try:
-            for h in handles:
-                await h.__aenter__()
-                entered.append(h)
-            placed_at = time.monotonic()
-            m.queue_time.observe(placed_at - job.t0)
-            for i, h in enumerate(handles):
-                h.collector.listen(partial(ready.add, i))
-            # The hot loop: names bound once, no allocation a pass does not need.
-            queue, takes = ready.queue, [h.collector.take for h in handles]
-            loop, monotonic, observe = asyncio.get_running_loop(), time.monotonic, m.itl.observe_n
-            to_start = job.stream
-            while left:
-                if not queue:
-                    ready.waiter = waiter = loop.create_future()
-                    await waiter
-                while queue:
-                    i = queue.popleft()
-                    st = states[i]
-                    d = takes[i]()
-                    if d is None or st.finish is not None:
-                        continue  # (deltas after a stop string: the request is being left)
-                    now = monotonic()
-                    if last[i]:
-                        k = len(d.token_ids)
-                        if k:  # inter-token latency per token, not per delta
-                            observe((now - last[i]) / k, k)
-                    elif not first_at:
-                        first_at = now
-                        m.ttft.observe(now - job.t0)
-                        m.prefill_time.observe(now - placed_at)
-                    last[i] = now
-                    data = st.feed(d)  # (an error delta raises: the status is still free)
-                    if to_start:
-                        to_start = False
-                        await w.start(200, sse.HEADERS)
-                    if data:
-                        out.append(data)
-                    if st.finish is not None:
-                        left -= 1
-                        await handles[i].__aexit__(None, None, None)  # a stop string: abort
-                if left and out:
-                    data = out[0] if len(out) == 1 else b"".join(out)
-                    out.clear()
-                    await w.body(data)
+            await r.run(entered)
         except errors.TandemError as e:
             failure = e
         except (ClientGone, asyncio.CancelledError):
@@ -307,14 +253,16 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
                 else "internal_error")
         raise
     finally:
+        r.parked = False  # (nothing is pushed past here)
         for h in entered:
             await h.__aexit__(None, None, None)
         job.completion_tokens = sum(st.num_tokens for st in states)
         m.generation_tokens.inc(job.completion_tokens)
+        first_at = r.first_at
         if first_at:
             job.ttft = first_at - job.t0
         m.stream_chunks.inc(sum(st.num_chunks for st in states))
-        last_at = max(last)
+        last_at = max(r.last)
         if first_at and last_at > first_at:
             m.decode_time.observe(last_at - first_at)
     await _finish(job, states, rid, created, failure, out, w, m)

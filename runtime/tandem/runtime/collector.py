@@ -6,7 +6,8 @@ usage and error of the newest win), so a slow client never grows a queue and the
 fuller chunk instead of many. `fail(err)` ends the request with an error that the reader sees after
 the pending delta (text that arrived before a failure is never lost). The reader either awaits
 `get()` or, to multiplex several collectors in one loop, registers a `listen` callback, told once
-each time the collector turns non-empty, and calls `take()`.
+each time the collector turns non-empty, and calls `take()` (`peek()` first, to look at the
+pending delta without taking it).
 
 Offsets are not checked here: the request handle checks them before `put` (ARCHITECTURE.md,
 "The path of a request").
@@ -60,6 +61,10 @@ class DeltaCollector:
             self._failure = err
             if not self._signalled:
                 self._signal()
+
+    def peek(self) -> Delta | None:
+        """The pending delta, left where it is (None when there is none)."""
+        return self._delta
 
     def take(self) -> Delta | None:
         """The pending delta (merged), or None; with nothing pending, raise the failure."""

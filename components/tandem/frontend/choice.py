@@ -1,0 +1,178 @@
+"""One choice of a response, as the response loop (tandem.frontend.respond) feeds it.
+
+`ChoiceSpec` and `GenerationJob` are a validated, tokenized request. `ChoiceState` is one choice's
+state and nothing else: its detokenizer (stop strings included), the `stream_interval` decision,
+its counts and its finish. It is pure: `feed(delta)` returns the SSE bytes to write now (none when
+aggregated, or when the interval says wait), so it is tested without I/O. `RichChoiceState` is the
+one a choice gets when its chunks carry more than text (logprobs, usage in every chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tandem.frontend import openai_api as api
+from tandem.frontend import sse
+from tandem.frontend.detokenizer import Detokenizer
+from tandem.frontend.http import error_of
+from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
+
+
+@dataclass(slots=True)
+class ChoiceSpec:
+    """One choice: its prompt (a completions request may carry several), its sampling (its own
+    seed) and its detokenizer. A choice's `index` is its position in the job."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: Detokenizer
+    echo: str = ""  # completions `echo`: the prompt's text, before the completion's
+
+
+@dataclass(slots=True)
+class GenerationJob:
+    """A validated, tokenized request, ready for the pool: every choice in `index` order."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    stream: bool
+    include_usage: bool
+    interval: int
+    t0: float  # time.monotonic() at arrival
+    choices: list[ChoiceSpec]
+    logprobs: int | None = None  # render the tokens' logprobs (None: the response has none)
+    continuous_usage: bool = False  # usage in every streamed chunk
+    token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
+    # What the response loop reports back, for the access log:
+    rid: str = ""
+    completion_tokens: int = 0
+    ttft: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Every prompt counted once, however many choices it has (as vLLM does)."""
+        seen = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
+        return sum(seen.values())
+
+
+class ChoiceState:
+    """One choice's state. With an encoder it streams: `feed` returns the chunks to write now, the
+    first text at once, then every `interval` tokens, always on the finish. Without one it only
+    collects its text (`text`) for the aggregated body."""
+
+    __slots__ = ("detok", "enc", "interval", "buf", "buf_tokens", "num_tokens", "num_chunks",
+                 "finish", "sent", "head")
+
+    def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None, interval: int,
+                 role: bool = False, prefix: str = "") -> None:
+        self.detok = detok
+        self.enc = enc
+        self.interval = interval
+        self.buf: list[str] = [prefix] if prefix else []
+        self.buf_tokens = 0
+        self.num_tokens = 0  # every token received, those a stop string cut included
+        self.num_chunks = 0  # streamed chunks that carried text
+        self.finish: str | None = None
+        self.sent = False  # whether any text went out yet
+        self.head = enc.role() if enc is not None and role else b""  # chat: the role chunk
+
+    def feed(self, d: Delta) -> bytes:
+        """Take one (possibly merged) delta. Raises the request's error for an error delta (what
+        is buffered stays for `flush`)."""
+        ids = d.token_ids
+        self.num_tokens += len(ids)
+        self.buf_tokens += len(ids)
+        fin: str | None = d.finish_reason
+        if fin == "error":
+            raise error_of(d)
+        detok = self.detok
+        text = detok.step(ids, fin is not None)
+        if text:
+            self.buf.append(text)
+        if detok.stopped:
+            fin = "stop"
+        enc = self.enc
+        if fin is not None:
+            self.finish = fin
+            if enc is None:
+                return b""
+            text = "".join(self.buf)
+            self.buf.clear()
+            self.num_chunks += bool(text)
+            out = self.head + (enc.text(text, fin) if text else enc.finish(fin))
+            self.head = b""
+            return out
+        if enc is None:
+            return b""
+        if self.buf and (not self.sent or self.buf_tokens >= self.interval):
+            out = self.head + enc.text("".join(self.buf))
+            self.head = b""
+            self.sent = True
+            self.buf.clear()
+            self.buf_tokens = 0
+            self.num_chunks += 1
+            return out
+        out, self.head = self.head, b""
+        return out
+
+    def flush(self) -> bytes:
+        """What an unfinished streamed choice holds back, as a chunk without a finish reason."""
+        if self.enc is None or self.finish is not None or not self.buf:
+            return b""
+        text = "".join(self.buf)
+        self.buf.clear()
+        out, self.head = self.head + self.enc.text(text), b""
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.buf)
+
+
+class RichChoiceState(ChoiceState):
+    """A choice whose response carries more than text: its tokens' logprobs (streamed with the
+    chunk that carries them, or all in the body) and/or the usage so far in every chunk."""
+
+    __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous")
+
+    def __init__(self, job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
+                 created: int) -> None:
+        enc = sse.RichChunkEncoder(job.kind, rid, created, job.model, index, self) \
+            if job.stream else None
+        super().__init__(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
+        self.kind = job.kind
+        self.token = job.token
+        self.want_logprobs = job.logprobs is not None and job.token is not None
+        self.lps: list[TokenLogprobs] = []  # streamed: not sent yet; aggregated: all
+        self.offset = len(spec.echo)
+        self.prompt_tokens = len(spec.prompt_ids)
+        self.continuous = job.continuous_usage
+
+    def feed(self, d: Delta) -> bytes:
+        if self.want_logprobs and d.logprobs:
+            self.lps += d.logprobs
+        return ChoiceState.feed(self, d)
+
+    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None:
+        if not self.want_logprobs or self.token is None:
+            return None
+        lps, self.lps = self.lps, []
+        if self.kind == "chat":
+            return api.chat_logprobs(lps, self.token)
+        out = api.completion_logprobs(lps, self.token, self.offset)
+        if out.tokens:
+            self.offset = out.text_offset[-1] + len(out.tokens[-1])
+        return out
+
+    def usage_now(self) -> api.UsageInfo | None:
+        return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None
+
+
+def state_of(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
+           created: int) -> ChoiceState:
+    if job.continuous_usage or job.logprobs is not None:
+        return RichChoiceState(job, spec, index, rid, created)
+    enc = sse.ChunkEncoder(job.kind, rid, created, job.model, index) if job.stream else None
+    return ChoiceState(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
