@@ -14,7 +14,11 @@ streamed tokens/s (usage.completion_tokens over the load's wall time) and CPU-µ
 CPU time of the frontend + worker processes during the load, over the tokens streamed).
 
 Run:  .venv/bin/python perf/bench_streaming.py     (about 1-2 minutes)
-Writes perf/results/streaming.json and perf/results/streaming.md.
+Writes perf/results/streaming.json and perf/results/streaming.md (`--out` for another path).
+
+With `--baseline COMMIT` every config also runs against that commit's servers (checked out with
+`git worktree`, run with that tree first on PYTHONPATH) under this tree's load client, interleaved
+run by run (baseline, current, baseline, ...), and the report adds current/baseline ratios.
 """
 
 from __future__ import annotations
@@ -102,10 +106,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log: Path, tree: str | None = None) -> subprocess.Popen[bytes]:
+    """A tandem process; `tree`: run that checkout's code instead of this one's."""
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [os.path.join(tree, "runtime"), os.path.join(tree, "components")])}
     with open(log, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=f,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(p: subprocess.Popen[bytes]) -> None:
@@ -128,14 +137,17 @@ def _cpu_s(procs: list[subprocess.Popen[bytes]]) -> list[float]:
     return out
 
 
-def _start(model: str, mode: str, concurrency: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+def _start(model: str, mode: str, concurrency: int, logs: Path,
+           tree: str | None = None, tag: str = "") -> list[subprocess.Popen[bytes]]:
     wport, hport = _free_port(), _free_port()
     pages = concurrency * 24
     worker = _spawn(["worker", "--model", model, "--engine", "mock", "--port", str(wport),
                      "--output-mode", mode, "--max-batch", str(concurrency), "--num-pages",
-                     str(pages), "--log-level", "WARNING"], logs / f"worker-{mode}.log")
+                     str(pages), "--log-level", "WARNING"], logs / f"worker-{mode}{tag}.log",
+                    tree)
     front = _spawn(["frontend", "--model", model, "--workers", f"tcp://127.0.0.1:{wport}",
-                    "--port", str(hport), "--log-level", "WARNING"], logs / f"frontend-{mode}.log")
+                    "--port", str(hport), "--log-level", "WARNING"],
+                   logs / f"frontend-{mode}{tag}.log", tree)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for p in (worker, front):
@@ -162,24 +174,48 @@ def _run_load(port: int, args: argparse.Namespace, interval: int, requests: int)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _worktree(commit: str) -> str:
+    path = tempfile.mkdtemp(prefix="tandem-baseline-")
+    subprocess.run(["git", "-C", str(HERE.parent), "worktree", "add", "--detach", path, commit],
+                   check=True, capture_output=True)
+    return path
+
+
 def bench_main(args: argparse.Namespace) -> None:
     from tandem.engines.reference.checkpoint import write_tiny_model
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(Path(tmp) / "tiny")
-        write_tiny_model(model, seed=0)
-        for mode in MODES:
-            procs = _start(model, mode, args.concurrency, Path(tmp))
-            try:
-                port = procs[0].port  # type: ignore[attr-defined]
-                _run_load(port, args, 1, args.concurrency)  # warm-up
-                for rep in range(args.repeats):  # 1, 10, 1, 10, ...: drift hits both alike
-                    for interval in INTERVALS:
-                        rows.append(_measure(procs, port, args, mode, interval, rep))
-                        print(_row_text(rows[-1]), flush=True)
-            finally:
-                for p in procs:
-                    _stop(p)
+    trees: list[tuple[str, str | None]] = [("current", None)]
+    if args.baseline:
+        trees.insert(0, ("baseline", _worktree(args.baseline)))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = str(Path(tmp) / "tiny")
+            write_tiny_model(model, seed=0)
+            for mode in MODES:
+                clusters: dict[str, list[subprocess.Popen[bytes]]] = {}
+                try:
+                    for name, tree in trees:
+                        clusters[name] = _start(model, mode, args.concurrency, Path(tmp), tree,
+                                                f"-{name}")
+                        _run_load(clusters[name][0].port,  # type: ignore[attr-defined]
+                                  args, 1, args.concurrency)  # warm-up
+                    for rep in range(args.repeats):  # 1, 10, 1, 10, ...: drift hits all alike
+                        for interval in INTERVALS:
+                            for name, _ in trees:
+                                procs = clusters[name]
+                                port = procs[0].port  # type: ignore[attr-defined]
+                                rows.append(_measure(procs, port, args, mode, interval, rep))
+                                rows[-1]["tree"] = name
+                                print(_row_text(rows[-1]), flush=True)
+                finally:
+                    for procs in clusters.values():
+                        for p in procs:
+                            _stop(p)
+    finally:
+        for name, tree in trees:
+            if tree is not None:
+                subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force",
+                                tree], capture_output=True)
     report(rows, args)
 
 
@@ -201,54 +237,87 @@ def _measure(procs: list[subprocess.Popen[bytes]], port: int, args: argparse.Nam
 
 
 def _mean_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per config: the mean over repeats (counts summed)."""
+    """One row per tree and config: the mean over repeats (counts summed)."""
     out: list[dict[str, Any]] = []
+    trees = list(dict.fromkeys(r.get("tree", "current") for r in rows))
     for mode in MODES:
         for interval in INTERVALS:
-            rs = [r for r in rows if (r["output_mode"], r["stream_interval"]) == (mode, interval)]
-            row: dict[str, Any] = {"output_mode": mode, "stream_interval": interval}
-            for k in ("requests_ok", "requests_bad", "tokens"):
-                row[k] = sum(r[k] for r in rs)
-            for k in ("tokens_per_s", "cpu_us_per_token", "frontend_cpu_us_per_token",
-                      "worker_cpu_us_per_token"):
-                row[k] = round(sum(r[k] for r in rs) / len(rs), 2 if "cpu" in k else None)
-            out.append(row)
+            for tree in trees:
+                rs = [r for r in rows if (r["output_mode"], r["stream_interval"],
+                                          r.get("tree", "current")) == (mode, interval, tree)]
+                row: dict[str, Any] = {"tree": tree, "output_mode": mode,
+                                       "stream_interval": interval}
+                for k in ("requests_ok", "requests_bad", "tokens"):
+                    row[k] = sum(r[k] for r in rs)
+                for k in ("tokens_per_s", "cpu_us_per_token", "frontend_cpu_us_per_token",
+                          "worker_cpu_us_per_token"):
+                    row[k] = round(sum(r[k] for r in rs) / len(rs), 2 if "cpu" in k else None)
+                out.append(row)
     return out
 
 
 def _row_text(r: dict[str, Any]) -> str:
-    return (f"| {r['output_mode']:<11} | {r['stream_interval']:>8} | {r['tokens_per_s']:>9} | "
+    return (f"| {r.get('tree', 'current'):<8} | {r['output_mode']:<11} | "
+            f"{r['stream_interval']:>8} | {r['tokens_per_s']:>9} | "
             f"{r['cpu_us_per_token']:>14} | {r['frontend_cpu_us_per_token']:>10} | "
             f"{r['worker_cpu_us_per_token']:>9} | {r['requests_ok']:>4}/{r['requests_bad']:<3} |")
 
 
+def _ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """current / baseline per config (mean rows), as table lines; none without a baseline."""
+    by = {(r["tree"], r["output_mode"], r["stream_interval"]): r for r in rows}
+    lines = []
+    for mode in MODES:
+        for interval in INTERVALS:
+            b, c = by.get(("baseline", mode, interval)), by.get(("current", mode, interval))
+            if b is None or c is None:
+                continue
+            cells = [f"{c[k] / b[k]:.2f}" if b[k] else "n/a"
+                     for k in ("tokens_per_s", "cpu_us_per_token", "frontend_cpu_us_per_token",
+                               "worker_cpu_us_per_token")]
+            lines.append(f"| {mode} | {interval} | " + " | ".join(cells) + " |")
+    if lines:
+        lines[:0] = ["| output mode | interval | tok/s | CPU-µs/tok | (frontend) | (worker) |",
+                     "|---|---:|---:|---:|---:|---:|"]
+    return lines
+
+
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     rows = _mean_rows(runs)
-    cmd = ".venv/bin/python perf/bench_streaming.py " + shlex.join(
-        [f"--concurrency={args.concurrency}", f"--requests={args.requests}",
-         f"--max-tokens={args.max_tokens}", f"--repeats={args.repeats}"])
-    by = {(r["output_mode"], r["stream_interval"]): r for r in rows}
+    opts = [f"--concurrency={args.concurrency}", f"--requests={args.requests}",
+            f"--max-tokens={args.max_tokens}", f"--repeats={args.repeats}"]
+    if args.baseline:
+        opts.append(f"--baseline={args.baseline}")
+    if args.out != str(RESULTS / "streaming"):
+        opts.append(f"--out={args.out}")
+    cmd = ".venv/bin/python perf/bench_streaming.py " + shlex.join(opts)
+    by = {(r["output_mode"], r["stream_interval"]): r for r in rows if r["tree"] == "current"}
     ratios = {m: round(by[(m, 10)]["tokens_per_s"] / by[(m, 1)]["tokens_per_s"], 2)
               for m in MODES}
     env = {"python": platform.python_version(), "cpus": os.cpu_count(),
            "machine": platform.machine()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "streaming.json").write_text(json.dumps(
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
         {"command": cmd, "env": env, "concurrency": args.concurrency, "requests": args.requests,
-         "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows, "runs": runs,
-         "interval_10_over_1_tokens_per_s": ratios}, indent=2) + "\n")
-    head = ("| output mode | interval |  tokens/s | CPU-µs / token | (frontend) | (worker) "
-            "| ok/bad |\n|-------------|---------:|----------:|---------------:|-----------:|"
-            "---------:|--------|")
+         "max_tokens": args.max_tokens, "repeats": args.repeats, "baseline": args.baseline,
+         "rows": rows, "runs": runs, "interval_10_over_1_tokens_per_s": ratios}, indent=2) + "\n")
+    head = ("| tree     | output mode | interval |  tokens/s | CPU-µs / token | (frontend) "
+            "| (worker) | ok/bad |\n|----------|-------------|---------:|----------:|"
+            "---------------:|-----------:|---------:|--------|")
     table = "\n".join([head, *(_row_text(r) for r in rows)])
+    cmp = _ratios(rows)
+    cmp_md = ("\n\nCurrent over baseline (" + str(args.baseline) + "), means of the runs above "
+              "(below 1 is better for CPU, above 1 for tok/s):\n\n" + "\n".join(cmp)) if cmp else ""
     md = (f"# Streaming: output mode x stream_interval\n\nCommand: `{cmd}`\n\n"
           f"Mock engine (no delays), one worker, one frontend, concurrency {args.concurrency}, "
           f"{args.requests} streamed completions of {args.max_tokens} tokens per config "
           f"(ignore_eos), each the mean of {args.repeats} runs alternating interval 1 and 10 "
-          f"(every run is in streaming.json). Env: {env}.\n\n{table}\n\n"
-          f"stream_interval 10 over 1, tokens/s: {ratios}\n")
-    (RESULTS / "streaming.md").write_text(md)
+          f"(every run is in {out.with_suffix('.json').name}). Env: {env}.\n\n{table}{cmp_md}\n\n"
+          f"stream_interval 10 over 1, tokens/s (current): {ratios}\n")
+    out.with_suffix(".md").write_text(md)
     print(table)
+    print("\n".join(cmp))
     print(f"stream_interval 10 / 1 tokens/s: {ratios}")
 
 
@@ -261,6 +330,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512, help="streamed requests per config")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2, help="runs per config (alternating)")
+    ap.add_argument("--baseline", default="",
+                    help="also run every config against this commit's servers, interleaved")
+    ap.add_argument("--out", default=str(RESULTS / "streaming"),
+                    help="output path without extension (.json and .md are written)")
     args = ap.parse_args()
     if args.client:
         client_main(args)
