@@ -35,7 +35,7 @@ from typing import Any
 import math
 from collections.abc import Collection
 
-from tandem.engines.base import ModelSpec
+from tandem.engines.base import EngineRequest, ModelSpec
 from tandem.engines.pd import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
 from tandem.engines.scheduler import Batch, Sequence
@@ -47,10 +47,16 @@ UNLIMITED_PREFILL_TOKENS = 1 << 62  # the mock admits every prompt that fits, as
 NATURAL_LOGIT = 10.0  # the toy model's logit for the mock's token; every other id has 0
 
 
-def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozenset[int]) -> int:
-    """The id the mock engine emits at `position` for this prompt (stable across processes)."""
-    seed = (sum(prompt_ids) * 1_000_003 + len(prompt_ids)) & 0xFFFFFFFF
-    tok = (seed + position * 7919 + 13) % vocab
+def mock_seed(prompt_ids: list[int]) -> int:
+    """What the mock's ids for this prompt depend on (computed once per request)."""
+    return ((sum(prompt_ids) * 1_000_003 + len(prompt_ids)) & 0xFFFFFFFF) + 13
+
+
+def mock_token(prompt_ids: list[int], position: int, vocab: int, avoid: frozenset[int],
+               seed: int | None = None) -> int:
+    """The id the mock engine emits at `position` for this prompt (stable across processes);
+    `seed`: mock_seed(prompt_ids), when the caller has it."""
+    tok = ((mock_seed(prompt_ids) if seed is None else seed) + position * 7919) % vocab
     while tok in avoid:
         tok = (tok + 1) % vocab
     return tok
@@ -148,6 +154,11 @@ class MockEngine(Stepper):
         self.timing = timing if timing is not None else MockTiming(step_s=step_delay_s)
         self._avoid = frozenset(self.spec.eos_token_ids)
 
+    def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
+        seq = super().new_sequence(req, pd)
+        seq.memo = mock_seed(seq.origin_prompt)
+        return seq
+
     async def run(self, batch: Batch) -> list[int]:
         num_prompt_tokens = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill)
         cost = self.timing.step_cost(num_prompt_tokens, len(batch.prefill) + len(batch.decode))
@@ -155,7 +166,10 @@ class MockEngine(Stepper):
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid
         seqs = batch.all()
-        tokens = [mock_token(s.origin_prompt, s.position, vocab, avoid) for s in seqs]
+        # mock_token, inline (once per token): position = resume + len(output_ids).
+        tokens = [(s.memo + (s.resume + len(s.output_ids)) * 7919) % vocab for s in seqs]
+        if not avoid.isdisjoint(tokens):
+            tokens = [t if t not in avoid else mock_token([], 0, vocab, avoid, t) for t in tokens]
         extras = [i for i, s in enumerate(seqs) if s.extras]
         if extras:
             self._extras(batch, seqs, tokens, extras)

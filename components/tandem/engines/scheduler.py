@@ -60,6 +60,7 @@ class Sequence:
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
     resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
+    memo: Any = None  # the engine's own per-request constant (the mock: its token seed)
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -154,7 +155,12 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         """Pick the next step's work and mark it in flight."""
-        batch = Batch(decode=[s for s in self.running.values() if not s.needs_prefill])
+        decode: list[Sequence] = []
+        for s in self.running.values():
+            if s.num_cached >= len(s.prompt_ids):  # (not needs_prefill: inline, once per token)
+                s.in_flight = True
+                decode.append(s)
+        batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
             seq = self.waiting[0]
@@ -175,10 +181,9 @@ class Scheduler:
             seq.pages = self.pool.allocate(seq.owner, need)
             seq.status = SeqStatus.RUNNING
             self.running[seq.owner] = seq
+            seq.in_flight = True
             batch.prefill.append(seq)
             budget -= new_tokens
-        for seq in batch.all():
-            seq.in_flight = True
         return batch
 
     def to_sending(self, seq: Sequence) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engines.base import (
@@ -36,7 +35,7 @@ from tandem.engines.base import (
     EngineRequestError,
     OutputSink,
 )
-from tandem.engines.outputs import Items, deliver, make_output
+from tandem.engines.outputs import Items, Step, deliver, make_output, step_rare
 from tandem.engines.pd import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
@@ -56,17 +55,6 @@ class _Handle:
 
     def cancel(self) -> None:
         self.engine.cancel(self.seq)
-
-
-@dataclass(slots=True)
-class _Step:
-    """What a step hands to the loop: outputs to deliver, prefills whose first token (and its
-    logprobs) was sampled, decode requests whose pages were reserved, PD requests that failed."""
-
-    reserved: list[Sequence]
-    items: Items = field(default_factory=list)
-    computed: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)
 
 
 class Stepper(Engine):
@@ -319,10 +307,10 @@ class Stepper(Engine):
                 return
 
     def _postprocess(self, batch: Batch, seqs: list[Sequence], tokens: list[int],
-                     error: Exception | None) -> _Step:
+                     error: Exception | None) -> Step:
         """The step's bookkeeping (under the lock): tokens appended, finished requests' pages
         freed, outputs made."""
-        step = _Step(batch.reserved)
+        step = Step(batch.reserved)
         lps = batch.logprobs
         if error is not None:
             log.error("%s engine step failed: %r", self.name, error)
@@ -337,38 +325,35 @@ class Stepper(Engine):
                     self.sched.finish(seq, "error")
             self._notify()
             return step
-        items, cumulative, sched = step.items, self._cumulative, self.sched
+        items, cumulative, sched, finished = step.items, self._cumulative, self.sched, \
+            SeqStatus.FINISHED
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.in_flight = False
-            if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
-                sched.finish(seq, "abort")
+            if seq.done or seq.logprobs is not None or seq.pd == "prefill" or \
+                    seq.status is finished:
+                step_rare(self.name, sched, cumulative, step, seq, token,
+                          lps[i] if lps is not None else None)
                 continue
-            seq.num_cached = seq.num_tokens
-            lp = lps[i] if lps is not None else None
-            if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
-                sched.to_sending(seq)
-                step.computed.append((seq, token, lp))
-                continue
-            if seq.logprobs is not None:  # (appended before the output can be read)
-                if lp is None:  # the compute hook's bug: fail the request, not the engine
-                    sched.finish(seq, "error")
-                    seq.done = True
-                    items.append((seq, self._output(seq, [], "error", EngineError(
-                        f"{self.name} engine: the step computed no logprobs for {seq.rid}"))))
-                    continue
-                seq.logprobs.append(lp)
-            finish = seq.finish_after(token)
+            # The common case, inline (once per token): Sequence.finish_after's rules.
+            out = seq.output_ids
+            n_prompt = len(seq.prompt_ids)
+            seq.num_cached = n_prompt + len(out)
+            out.append(token)
+            n = len(out)
+            finish: FinishReason | None = None
+            if token in seq.stop_ids and seq.resume + n >= seq.sampling.min_tokens:
+                finish = "stop"
+            elif n_prompt + n >= seq.max_total:
+                finish = "length"
             if finish is not None:
                 sched.finish(seq, finish)
                 seq.done = True
-            lpl = seq.logprobs  # (inline: once per token)
-            items.append((seq, EngineOutput(
-                seq.rid, seq.output_ids if cumulative else [token], finish, len(seq.prompt_ids),
-                len(seq.output_ids), 0, None, lpl if cumulative or lpl is None else lpl[-1:])))
+            items.append((seq, EngineOutput(seq.rid, out if cumulative else [token], finish,
+                                            n_prompt, n)))
         self._notify()
         return step
 
-    def _handed_over(self, step: _Step) -> None:
+    def _handed_over(self, step: Step) -> None:
         """On the loop: the step's handoff events, then its outputs (none for a request
         cancelled since the step made them)."""
         handoff = self.handoff

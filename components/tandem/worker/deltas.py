@@ -27,6 +27,14 @@ class DeltaMaker:
     def make(self, out: EngineOutput) -> Delta | None:
         """The delta for one output, or None when it carries no new token and no finish."""
         offset = self.sent
+        if self.cumulative and out.finish_reason is None and out.logprobs is None:
+            end = out.completion_tokens  # the common case, inline (once per token)
+            new = out.output_ids[offset:end]
+            if offset + len(new) != end:
+                raise EngineError(f"{self.rid}: engine output out of step: sent "
+                                  f"{offset + len(new)} tokens but engine says {end}")
+            self.sent = end
+            return Delta(self.rid, offset, new) if new else None
         if self.cumulative:
             new = out.output_ids[offset : out.completion_tokens]
         else:

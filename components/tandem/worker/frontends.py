@@ -74,26 +74,36 @@ class Frontends:
 
     # --- deltas -----------------------------------------------------------------------------------
     def emit(self, ident: bytes, delta: Delta) -> None:
+        self.emit_all(ident, [delta])
+
+    def emit_all(self, ident: bytes, deltas: list[Delta]) -> None:
+        """Queue deltas for a frontend, in order; the next flush sends what its window allows."""
         link = self._links.get(ident)
         if link is None:
             link = self._links[ident] = FrontendLink(ident, Outbox(self.window, self.batch))
         box = link.outbox
-        box.add(delta)
-        if not self._flush_scheduled and (box.in_flight < box.window or delta.offset == 0):
+        box.add_all(deltas)
+        if not self._flush_scheduled and (box.in_flight < box.window or box.has_first):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self, force: bool = False) -> None:
         """Send what each frontend's window allows (`force`: everything, past the window)."""
         self._flush_scheduled = False
+        load: Load | None = None  # the engine's load, once per flush (it changes per step)
         for ident, link in list(self._links.items()):
             box = link.outbox
             if force and len(box):
-                self._send(ident, Deltas(box.take(everything=True), self._load()))
+                items = box.take(everything=True)
             elif box.can_send:
-                self._send(ident, Deltas(box.take(), self._load()))
+                items = box.take()
             elif box.has_first:  # the window is full: first tokens go on their own
-                self._send(ident, Deltas(box.take_first(), self._load()))
+                items = box.take_first()
+            else:
+                continue
+            if load is None:
+                load = self._load()
+            self._send(ident, Deltas(items, load))
 
     # --- ending -----------------------------------------------------------------------------------
     def silent(self, limit_s: float) -> list[bytes]:

@@ -41,7 +41,7 @@ class Outbox:
         self.last_heard = time.monotonic()  # when this frontend last sent anything
         self._first: list[Delta] = []  # waiting deltas that start a request's output
         self._rest: list[Delta] = []
-        self._open: dict[str, Delta] = {}  # rid -> its waiting delta that later ones merge into
+        self._open: dict[str, Delta] | None = None  # see _index; None: not built
 
     def __len__(self) -> int:
         """Deltas waiting to be sent."""
@@ -56,21 +56,50 @@ class Outbox:
         """First tokens are waiting (they may leave past the window: `take_first`)."""
         return bool(self._first)
 
+    def _index(self) -> dict[str, Delta]:
+        """rid -> its waiting delta that later ones merge into (built when first needed: while
+        deltas leave as fast as they come, nothing waits and nothing merges)."""
+        open_ = self._open
+        if open_ is None:
+            open_ = self._open = {}
+            waiting = (*self._rest, *self._first)
+            for d in waiting:
+                if d.finish_reason is None:
+                    open_[d.rid] = d
+            for d in waiting:  # an error is never merged into, nor anything before it
+                if d.finish_reason == "error":
+                    open_.pop(d.rid, None)
+        return open_
+
     def add(self, delta: Delta) -> None:
+        if self._open is None and not (self._first or self._rest):  # nothing to merge into
+            (self._first if delta.offset == 0 else self._rest).append(delta)
+            return
+        open_ = self._index()
         rid = delta.rid
         if delta.finish_reason == "error":
-            self._open.pop(rid, None)
+            open_.pop(rid, None)
         else:
-            prev = self._open.get(rid)
+            prev = open_.get(rid)
             if prev is not None:
                 # Contiguous by construction: one DeltaMaker per request, in order.
                 prev.extend(delta)  # tokens and their logprobs, finish, usage
                 if delta.finish_reason is not None:
-                    del self._open[rid]
+                    del open_[rid]
                 return
             if delta.finish_reason is None:
-                self._open[rid] = delta
+                open_[rid] = delta
         (self._first if delta.offset == 0 else self._rest).append(delta)
+
+    def add_all(self, deltas: list[Delta]) -> None:
+        """`add` each, in order; the deltas are of distinct requests (one engine step's)."""
+        if self._open is None and not (self._first or self._rest):
+            # Nothing waits, and no two of these are of one request: nothing merges.
+            for delta in deltas:
+                (self._first if delta.offset == 0 else self._rest).append(delta)
+            return
+        for delta in deltas:
+            self.add(delta)
 
     def take(self, everything: bool = False) -> list[Delta]:
         """The next message: every waiting first token, then up to `batch` other deltas (all of
@@ -81,14 +110,11 @@ class Outbox:
         if n == len(rest):
             items.extend(rest)
             self._rest = []
-            self._open.clear()
+            self._open = None
         else:
             items.extend(rest[:n])
             self._rest = rest[n:]
-            open_ = self._open
-            for d in items:  # sent: later tokens of these requests start a new delta
-                if open_.get(d.rid) is d:
-                    del open_[d.rid]
+            self._forget(items)
         self.in_flight += 1
         return items
 
@@ -96,12 +122,17 @@ class Outbox:
         """A message of the waiting first tokens only, sent past the window (still counted in
         flight, so the credit that comes back for it balances)."""
         items, self._first = self._first, []
-        open_ = self._open
-        for d in items:
-            if open_.get(d.rid) is d:
-                del open_[d.rid]
+        self._forget(items)
         self.in_flight += 1
         return items
+
+    def _forget(self, sent: list[Delta]) -> None:
+        """Sent: later tokens of these requests start a new delta."""
+        open_ = self._open
+        if open_ is not None:
+            for d in sent:
+                if open_.get(d.rid) is d:
+                    del open_[d.rid]
 
     def credit(self, n: int) -> None:
         """The frontend consumed `n` messages."""

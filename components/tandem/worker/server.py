@@ -36,6 +36,7 @@ from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from tandem.runtime import transport, wire
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
+    OutputMode,
     Abort,
     Credit,
     Delta,
@@ -57,11 +58,14 @@ from tandem.worker.validate import MAX_RID_CHARS, Limits, check_generate
 log = logging.getLogger("tandem.worker")
 
 
-class _Request:
-    __slots__ = ("ident", "maker", "handle")
+class _Request(DeltaMaker):
+    """A request in flight: its frontend, its engine handle, and its DeltaMaker (one object)."""
 
-    def __init__(self, ident: bytes, maker: DeltaMaker, handle: Handle) -> None:
-        self.ident, self.maker, self.handle = ident, maker, handle
+    __slots__ = ("ident", "handle")
+
+    def __init__(self, rid: str, mode: OutputMode, ident: bytes, handle: Handle) -> None:
+        super().__init__(rid, mode)
+        self.ident, self.handle = ident, handle
 
 
 class WorkerServer:
@@ -137,24 +141,46 @@ class WorkerServer:
 
     # --- the engine's output sink: the worker's one loop over outputs -----------------------------
     def on_step(self, outputs: list[EngineOutput]) -> None:
-        requests, emit = self._requests, self.frontends.emit
+        requests, emit = self._requests, self.frontends.emit_all
+        ident = b""
+        deltas: list[Delta] = []  # for `ident`, in order (one frontend, usually)
         for out in outputs:
             r = requests.get(out.rid)
             if r is None:
                 continue
-            if out.error is not None:
-                self._fail(out.rid, r, out.error)
-                continue
-            try:
-                delta = r.maker.make(out)
-            except EngineError as e:  # out of step with what was sent: stop it, loudly
-                r.handle.cancel()
-                self._fail(out.rid, r, e)
+            if r.ident != ident:
+                if deltas:
+                    emit(ident, deltas)
+                    deltas = []
+                ident = r.ident
+            if r.cumulative and out.finish_reason is None and out.logprobs is None:
+                # DeltaMaker.make's common case, inline (once per token)
+                offset, end = r.sent, out.completion_tokens
+                new = out.output_ids[offset:end]
+                if offset + len(new) == end:
+                    r.sent = end
+                    if new:
+                        deltas.append(Delta(out.rid, offset, new))
+                    continue
+            err = out.error
+            if err is None:
+                try:
+                    delta = r.make(out)
+                except EngineError as e:  # out of step with what was sent: stop it, loudly
+                    r.handle.cancel()
+                    err = e
+            if err is not None:
+                if deltas:  # (in order: _fail emits on its own)
+                    emit(ident, deltas)
+                    deltas = []
+                self._fail(out.rid, r, err)
                 continue
             if delta is not None:
-                emit(r.ident, delta)
+                deltas.append(delta)
             if out.finish_reason is not None:
                 del requests[out.rid]
+        if deltas:
+            emit(ident, deltas)
         if self._draining:
             self._progress.set()
 
@@ -162,7 +188,7 @@ class WorkerServer:
         if err.kind is ErrorKind.ENGINE:
             log.error("%s: engine error: %s", rid, err)
         self._requests.pop(rid, None)
-        self.frontends.emit(r.ident, Delta(rid, r.maker.sent, [], "error", error=str(err),
+        self.frontends.emit(r.ident, Delta(rid, r.sent, [], "error", error=str(err),
                                            error_kind=err.kind))
 
     def _end(self, rid: str, kind: ErrorKind, why: str) -> None:
@@ -170,7 +196,7 @@ class WorkerServer:
         r = self._requests.pop(rid, None)
         if r is not None:
             r.handle.cancel()
-            self.frontends.emit(r.ident, Delta(rid, r.maker.sent, [], "error", error=why,
+            self.frontends.emit(r.ident, Delta(rid, r.sent, [], "error", error=why,
                                                error_kind=kind))
 
     # --- receiving --------------------------------------------------------------------------------
@@ -241,8 +267,7 @@ class WorkerServer:
         except Exception as e:  # an engine bug on odd input must not take the batch's others
             transport.refused("worker", "engine submit failed", log, repr(e))
             return refuse(ErrorKind.ENGINE, f"the engine failed to take the request: {e}")
-        self._requests[msg.rid] = _Request(ident, DeltaMaker(msg.rid, self.engine.output_mode),
-                                           handle)
+        self._requests[msg.rid] = _Request(msg.rid, self.engine.output_mode, ident, handle)
 
     async def _reap_silent_frontends(self) -> None:
         limit = self.cfg.frontend_silent_s
