@@ -170,16 +170,20 @@ class FrontendApp:
         self._work.add(work)
         work.add_done_callback(self._work.discard)
         try:
-            await asyncio.wait((work,))
+            await work
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this exchange was cancelled: go on
+                raise
+            # (else `drain` cancelled the response alone: it is over)
         finally:
-            work.cancel()
-            await asyncio.wait((work,))
+            if not work.done():  # (this exchange was cancelled while the response ran)
+                work.cancel()
+                await asyncio.wait((work,))
             m.requests.labels(endpoint, str(ex.status) if ex.status else "499").inc()
             m.e2e.observe(time.monotonic() - t0)
-        if not work.cancelled():
-            exc = work.exception()
-            if exc is not None and not isinstance(exc, ClientGone):
-                raise exc
         return job
 
     async def _respond(self, job: GenerationJob, handles: list[Handle], receive: Receive,
