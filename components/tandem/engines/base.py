@@ -43,6 +43,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from tandem.runtime.errors import EngineError, EngineRequestError
 from tandem.runtime.wire import (
     Bootstrap, FinishReason, Load, OutputMode, SamplingParams, TokenLogprobs,
@@ -66,8 +68,9 @@ class EngineRequest:
     resume_offset: int = 0
 
 
-@dataclass(slots=True)
-class EngineOutput:
+class EngineOutput(msgspec.Struct):
+    """(A Struct, not a dataclass: one is made per token, and a Struct is made in C.)"""
+
     rid: str
     output_ids: list[int]
     finish_reason: FinishReason | None = None

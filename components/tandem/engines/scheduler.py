@@ -36,31 +36,32 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class Sequence:
+    # (The fields every step reads come first: their slots share the fewest cache lines.)
     rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_total: int  # prompt + completion tokens it may reach: min(prompt + max_tokens, context)
-    stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
-    owner: str = ""  # its name in the page pool, unique per request (rids can be reused)
-    pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
-    seed: int | None = None  # base seed of a sampled request (sampler.base_seed)
-    bootstrap: Bootstrap | None = None  # PD: where the other side of its KV handoff is
-    sink: Any = None  # the OutputSink its outputs go to
     output_ids: list[int] = field(default_factory=list)  # handed out live in cumulative mode
-    logprobs: list[TokenLogprobs] | None = None  # one per output id, when asked for (as live)
-    extras: bool = False  # it asks for logprobs, a bias or a penalty: its step does more work
-    pages: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: FinishReason | None = None
+    prompt_ids: list[int]
     in_flight: bool = False  # a step computes on its pages right now: they stay until it ends
     done: bool = False  # its last output went out, or it was cancelled: no more outputs
+    logprobs: list[TokenLogprobs] | None = None  # one per output id, when asked for (as live)
+    pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
+    status: SeqStatus = SeqStatus.WAITING
+    num_cached: int = 0
+    stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
+    resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
+    max_total: int  # prompt + completion tokens it may reach: min(prompt + max_tokens, context)
+    memo: Any = None  # the engine's own per-request constant (the mock: its token seed)
+    sink: Any = None  # the OutputSink its outputs go to
+    sampling: SamplingParams
+    owner: str = ""  # its name in the page pool, unique per request (rids can be reused)
+    seed: int | None = None  # base seed of a sampled request (sampler.base_seed)
+    bootstrap: Bootstrap | None = None  # PD: where the other side of its KV handoff is
+    extras: bool = False  # it asks for logprobs, a bias or a penalty: its step does more work
+    pages: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
-    resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
-    memo: Any = None  # the engine's own per-request constant (the mock: its token seed)
 
     def __post_init__(self) -> None:
         if not self.owner:

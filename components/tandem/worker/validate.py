@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 from tandem.runtime.wire import Bootstrap, Generate, SamplingParams
 
 MAX_RID_CHARS = 256
@@ -59,7 +61,29 @@ def check_prompt(ids: list[int], limits: Limits) -> str | None:
     return None
 
 
+_VALID: dict[tuple[object, ...], None] = {}  # sampling parameters found valid (they repeat)
+_MAX_VALID = 256
+
+
 def check_sampling(p: SamplingParams, limits: Limits) -> str | None:
+    """`_check_sampling`, remembering the last few distinct valid ones (equal parameters are
+    equally valid: each field has one type)."""
+    try:
+        key: tuple[object, ...] | None = msgspec.structs.astuple(p)
+        known = key in _VALID
+    except TypeError:  # a dict inside (logit_bias): not hashable, checked every time
+        key, known = None, False
+    if known:
+        return None
+    why = _check_sampling(p)
+    if why is None and key is not None:
+        if len(_VALID) >= _MAX_VALID:
+            _VALID.clear()
+        _VALID[key] = None
+    return why
+
+
+def _check_sampling(p: SamplingParams) -> str | None:
     # Every number, whatever the field (new fields included): finite, and within 64 bits.
     for name in p.__struct_fields__:
         value = getattr(p, name)
