@@ -57,18 +57,17 @@ class Outbox:
         return bool(self._first)
 
     def _index(self) -> dict[str, Delta]:
-        """rid -> its waiting delta that later ones merge into (built when first needed: while
-        deltas leave as fast as they come, nothing waits and nothing merges)."""
+        """rid -> its waiting delta that later ones merge into: its latest, unless that one ends
+        it (built when first needed: while deltas leave as fast as they come, nothing waits and
+        nothing merges, and two deltas of a request may wait unmerged, in order)."""
         open_ = self._open
         if open_ is None:
-            open_ = self._open = {}
-            waiting = (*self._rest, *self._first)
-            for d in waiting:
-                if d.finish_reason is None:
-                    open_[d.rid] = d
-            for d in waiting:  # an error is never merged into, nor anything before it
-                if d.finish_reason == "error":
-                    open_.pop(d.rid, None)
+            latest: dict[str, Delta] = {}
+            for d in (*self._rest, *self._first):
+                prev = latest.get(d.rid)
+                if prev is None or d.offset >= prev.offset:
+                    latest[d.rid] = d
+            open_ = self._open = {r: d for r, d in latest.items() if d.finish_reason is None}
         return open_
 
     def add(self, delta: Delta) -> None:
@@ -92,9 +91,10 @@ class Outbox:
         (self._first if delta.offset == 0 else self._rest).append(delta)
 
     def add_all(self, deltas: list[Delta]) -> None:
-        """`add` each, in order; the deltas are of distinct requests (one engine step's)."""
+        """`add` each, in order."""
         if self._open is None and not (self._first or self._rest):
-            # Nothing waits, and no two of these are of one request: nothing merges.
+            # Nothing waits: nothing to merge into (one engine step has one delta per request;
+            # where an engine gives two, they wait unmerged, in order: see _index).
             for delta in deltas:
                 (self._first if delta.offset == 0 else self._rest).append(delta)
             return
