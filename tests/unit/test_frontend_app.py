@@ -382,3 +382,63 @@ async def test_a_workers_error_kind_maps_to_its_status(pre: Preprocessor, kind: 
         evs = events((await c.post(CHAT, json={"messages": USER, "stream": True})).text)
     assert "".join(chat_texts(evs)) == "ab"
     assert evs[-2]["error"]["type"] == type_ and evs[-1] == "[DONE]"
+
+
+async def _asgi_stream(app: FrontendApp, body: dict[str, Any],
+                       nowait: Any) -> tuple[list[bytes], list[bytes]]:
+    """One POST through the app's ASGI interface with `nowait` as the server's body_nowait
+    extension: (chunks written through `send`, chunks written through `nowait`)."""
+    from tandem.frontend.limits import BODY_NOWAIT
+
+    sent: list[bytes] = []
+    raw = json.dumps(body).encode()
+    asked = [False]
+
+    async def receive() -> dict[str, Any]:
+        if not asked[0]:
+            asked[0] = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.body" and msg["body"]:
+            sent.append(msg["body"])
+
+    scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": [],
+             "extensions": {BODY_NOWAIT: nowait}}
+    await app(scope, receive, send)
+    return sent, nowait.chunks
+
+
+class _Nowait:
+    def __init__(self, accept: bool) -> None:
+        self.accept, self.chunks = accept, []
+
+    def __call__(self, data: bytes) -> bool:
+        if self.accept:
+            self.chunks.append(data)
+        return self.accept
+
+
+@pytest.mark.parametrize("accept", [True, False])
+async def test_tokens_between_first_and_last_are_pushed_through_body_nowait(
+        pre: Preprocessor, accept: bool) -> None:
+    """With the server's body_nowait, every chunk between the first and the last goes out
+    through it, in order, without the response's task; a server that cannot take them now
+    (returns False) gets them all through `send` instead. Either way the client's bytes are the
+    same stream."""
+    toks = ids_of(pre, "abcdefghij")
+    nowait = _Nowait(accept)
+    sent, pushed = await _asgi_stream(make_app(pre, FakePool(reply_ids=toks)),
+                                      {"prompt": "x", "max_tokens": 10, "stream": True},
+                                      nowait)
+    if accept:
+        assert len(pushed) == 8 and len(sent) == 2  # the first, and the last with [DONE]
+        stream = sent[0] + b"".join(pushed) + sent[1]  # the order the client got them in
+    else:  # all through `send`, by the task (what waits meanwhile may share a write)
+        assert pushed == [] and 2 <= len(sent) <= 10
+        stream = b"".join(sent)
+    evs = events(stream.decode())
+    assert evs[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == "abcdefghij"
