@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -57,20 +58,27 @@ def make_cluster(tiny_model: str, tmp_path: os.PathLike[str]) -> Iterator:
         c.stop()
 
 
-_OLD_ZMQ_CONTEXTS: list[object] = []  # kept: collecting or terminating a wedged one would block
+_WEDGED_ZMQ_CONTEXTS: list[object] = []  # kept: collecting one would block in its term()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_zmq_context() -> Iterator[None]:
-    """Each test's in-process ZMQ sockets get a context of their own. Seen in full runs: after a
-    reference PD test hung (its decode side's new bootstrap connection never connected), every
-    later test that used ZMQ in this process failed the same way, as if the shared context's I/O
-    thread no longer served new connections. The old context is left as it is (sockets a
-    longer-lived fixture made keep working on it); it is not terminated, which could block."""
+    """Each test's in-process ZMQ sockets get a context of their own, destroyed (what the test
+    left open closed) when it ends. Seen in full runs: after a reference PD test hung (its decode
+    side's new bootstrap connection never connected), every later test that used ZMQ in this
+    process failed the same way, as if the shared context no longer served new connections. A
+    context whose destroy does not finish within 2 s is left to its thread and never collected
+    (its `__del__` would block the interpreter's exit the same way)."""
     from tandem.runtime import transport
 
     yield
     ctx = transport._ctx
-    if ctx is not None:
-        _OLD_ZMQ_CONTEXTS.append(ctx)
-        transport._ctx = None
+    if ctx is None:
+        return
+    transport._ctx = None
+    t = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
+    t.start()
+    t.join(2.0)
+    if t.is_alive():
+        ctx._shadow = True  # (pyzmq: a shadow context's __del__ does nothing)
+        _WEDGED_ZMQ_CONTEXTS.append(ctx)
