@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--worker-args", default="--max-batch 4096")
     p.add_argument("--out", default="perf/results/profile")
+    p.add_argument("--perf", action="store_true",
+                   help="sample with Linux `perf record` instead of py-spy: CPU time only, "
+                        "kernel included; prints each process's split by shared object")
     args = p.parse_args(argv)
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     os.makedirs(args.out, exist_ok=True)
@@ -66,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
             load = asyncio.create_task(run_level(spec, args.concurrency,
                                                  duration_s=args.seconds + 4))
             await asyncio.sleep(2)  # past the ramp
-            spies = [await asyncio.create_subprocess_exec(
-                spy, "record", "--pid", str(proc.pid), "--duration", str(int(args.seconds)),
-                "--rate", str(args.rate), "--format", "raw", "--nonblocking",
-                "-o", os.path.join(args.out, f"{name}.txt"),
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for name, proc in cluster.procs.items()]
+            if args.perf:
+                spies = [await asyncio.create_subprocess_exec(
+                    "perf", "record", "-F", "999", "-g", "-p", str(proc.pid),
+                    "-o", os.path.join(args.out, f"{name}.perf"), "--", "sleep",
+                    str(int(args.seconds)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for name, proc in cluster.procs.items()]
+            else:
+                spies = [await asyncio.create_subprocess_exec(
+                    spy, "record", "--pid", str(proc.pid), "--duration", str(int(args.seconds)),
+                    "--rate", str(args.rate), "--format", "raw", "--nonblocking",
+                    "-o", os.path.join(args.out, f"{name}.txt"),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for name, proc in cluster.procs.items()]
             await asyncio.gather(*(s.wait() for s in spies))
             level = await load
             return [why for r in level.results if (why := check(r, spec, None))]
@@ -80,6 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
     print(f"{args.launch}, concurrency {args.concurrency}, {len(failures)} failed streams")
+    if args.perf:
+        for name in cluster.procs:
+            report = subprocess.run(
+                ["perf", "report", "-i", os.path.join(args.out, f"{name}.perf"), "--stdio",
+                 "--no-children", "--sort", "dso", "-g", "none"],
+                capture_output=True, text=True).stdout
+            rows = [ln.strip() for ln in report.splitlines() if ln.strip()[:1].isdigit()]
+            print(f"\n== {name}: CPU by shared object ==")
+            print("\n".join(rows[:8]))
+        return 0
     for name in cluster.procs:
         path = os.path.join(args.out, f"{name}.txt")
         if not os.path.exists(path):

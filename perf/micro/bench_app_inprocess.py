@@ -16,7 +16,9 @@ import time
 from typing import Any
 
 
-async def _one(app: Any, body: bytes, tokens: int) -> int:
+async def _one(app: Any, body: bytes, tokens: int, nowait: bool = False) -> int:
+    """One streamed request through the app's ASGI interface; the body writes it made. `nowait`:
+    the server offers the body_nowait extension (as tandem's uvicorn protocol does), counted too."""
     chunks = 0
     sent = [False]
 
@@ -32,7 +34,15 @@ async def _one(app: Any, body: bytes, tokens: int) -> int:
         if msg["type"] == "http.response.body":
             chunks += 1
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    def body_nowait(data: bytes) -> bool:
+        nonlocal chunks
+        chunks += 1
+        return True
+
+    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/completions",
+                             "headers": []}
+    if nowait:
+        scope["extensions"] = {"tandem.body_nowait": body_nowait}
     await app(scope, receive, send)
     return chunks
 

@@ -1,6 +1,7 @@
 """The frontend's own CPU per streamed token, one process, no sockets: the real FrontendApp over a
 real WorkerPool whose one worker link runs over an in-memory channel. `--concurrency` streamed
-completions are opened through ASGI (a `send` that only counts), then the "worker" hands the link
+completions are opened through ASGI (a `send` and a body_nowait extension that only count, so
+tokens take the push path of a uvicorn-served frontend), then the "worker" hands the link
 one `Deltas` message per step carrying one delta per stream (one token each, as a paced engine
 does), and the event loop runs until the responses have taken them. What is timed is the process
 CPU of those steps: the link's routing, the request handles, the collectors, the response loop,
@@ -28,24 +29,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf" / "micro"))
 
-
-async def _open(app: Any, body: bytes, counts: list[int]) -> None:
-    sent = [False]
-
-    async def receive() -> dict[str, Any]:
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client never leaves
-        return {"type": "http.disconnect"}
-
-    async def send(msg: Any) -> None:
-        if msg["type"] == "http.response.body":
-            counts[0] += 1
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
-    await app(scope, receive, send)
+from bench_app_inprocess import _one  # noqa: E402  (one streamed request through ASGI)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,9 +51,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps
     body = json.dumps({"prompt": "the cat", "max_tokens": steps, "stream": True,
                        "ignore_eos": True}).encode()
-    counts = [0]
     open_cpu0, open_wall0 = time.process_time(), time.perf_counter()
-    tasks = [asyncio.ensure_future(_open(app, body, counts)) for _ in range(args.concurrency)]
+    tasks = [asyncio.ensure_future(_one(app, body, steps, nowait=True)) for _ in range(args.concurrency)]
     for _ in range(5):
         await asyncio.sleep(0)
     rids = [g.rid for m in workers.sent(link.address) if isinstance(m, wire.Generates)
@@ -89,13 +74,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         link.on_message(msg)
         for _ in range(3):  # the pushes, the credit, the finishing responses
             await asyncio.sleep(0)
-    await asyncio.wait(tasks, timeout=10)
+    done, _ = await asyncio.wait(tasks, timeout=10)
     if prof:
         prof.disable()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     tokens = steps * args.concurrency
     out = {"concurrency": args.concurrency, "steps": steps, "tokens": tokens,
-           "body_writes": counts[0], "cpu_us_per_token": round(cpu * 1e6 / tokens, 2),
+           "body_writes": sum(t.result() for t in done), "cpu_us_per_token": round(cpu * 1e6 / tokens, 2),
            "wall_us_per_token": round(wall * 1e6 / tokens, 2)}
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
