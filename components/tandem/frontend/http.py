@@ -202,7 +202,10 @@ class watch_disconnect:
         return self._fired
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
-        w = self._watcher
+        w, task = self._watcher, self._task
+        # The watcher's cancellation is kept by it with a traceback through `_wait`, whose frame
+        # holds this object: dropped here, so the request is freed at once, not by the collector.
+        self._watcher = self._task = None
         if w is not None and not w.done():
             w.cancel()
             try:
@@ -210,6 +213,6 @@ class watch_disconnect:
             except asyncio.CancelledError:
                 if not self._fired:  # someone else's cancellation: theirs to handle
                     raise
-        if self._fired and self._task is not None and self._task.uncancel() == 0:
+        if self._fired and task is not None and task.uncancel() == 0:
             return exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
         return False

@@ -254,6 +254,8 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
         raise
     finally:
         r.parked = False  # (nothing is pushed past here)
+        for h in handles:
+            h.collector.unlisten()  # (its listener holds `r`: no cycle outlives the request)
         for h in entered:
             await h.__aexit__(None, None, None)
         job.completion_tokens = sum(st.num_tokens for st in states)

@@ -94,7 +94,7 @@ class Leg(Share):
     def __init__(self, handle: RequestHandle, link: WorkerLink, reads: bool, rid: str,
                  base: int = 0) -> None:
         super().__init__()
-        self.handle = handle
+        self.handle: RequestHandle | None = handle  # None once released
         self.link = link
         self.rid = rid
         self.reads = reads
@@ -105,12 +105,13 @@ class Leg(Share):
 
     def on_delta(self, d: Delta) -> bool:
         """Take one delta from the link; True when it was the leg's last (the worker ended it)."""
-        if self.over:
+        h = self.handle
+        if self.over or h is None:
             return False
         if d.offset != self.received:
             self.over = True  # unfinished: it is aborted on the worker
             self.link.protocol_errors += 1
-            self.handle.leg_failed(self, errors.StreamProtocolError(
+            h.leg_failed(self, errors.StreamProtocolError(
                 f"delta for {self.rid} at offset {d.offset}, expected {self.received}"))
             return False
         self.received += len(d.token_ids)
@@ -118,18 +119,17 @@ class Leg(Share):
         if fin is not None:
             self.over = self.finished = True
         if self.reads:
-            h = self.handle
             h.tokens += d.token_ids
             if self.base:
                 d = h.shifted(d, self.base)
             h.collector.put(d)
         elif fin == "error":
-            self.handle.prefill_failed(d)
+            h.prefill_failed(d)
         return fin is not None
 
     def on_lost(self, err: errors.TandemError) -> None:
         """The link dropped the leg (worker lost, or the request could not be sent)."""
-        if not self.over:
+        if not self.over and self.handle is not None:
             self.over = True
             self.handle.leg_failed(self, err)
 
@@ -233,6 +233,7 @@ class RequestHandle:
             if not leg.finished:
                 leg.over = True
                 leg.link.end(leg, abort=True)
+            leg.handle = None  # over: it takes nothing more (and the request is freed at once)
 
     def shifted(self, d: Delta, base: int) -> Delta:
         """A moved request's delta as the client's stream counts: offsets after what earlier

@@ -98,6 +98,10 @@ class DeltaCollector:
         if self.ready:  # (a signal before now went to no one)
             self._signal()
 
+    def unlisten(self) -> None:
+        """The reader is done: forget its callback (which usually holds the reader)."""
+        self._listener = None
+
     def _signal(self) -> None:
         self._signalled = True
         listener = self._listener
