@@ -223,8 +223,9 @@ class WorkerConfig(MockTiming, Common):
     delta_window: int = opt(2, "delta messages a worker keeps in flight to each frontend; while "
                             "the frontend owes credit, a request's new tokens merge into one "
                             "waiting delta", type=positive_int)
-    delta_batch: int = opt(256, "most deltas in one message to a frontend besides first tokens; "
-                           "the rest wait, oldest first, merging (0 = no limit)",
+    delta_batch: int = opt(64, "most deltas in one message to a frontend that lags, besides "
+                           "first tokens; the rest wait, oldest first, merging (a frontend that "
+                           "keeps up gets all in one message; 0 = no limit)",
                            type=non_negative_int)
     frontend_silent_s: float = opt(10.0, "a frontend silent this long while it owes credit gets "
                                    "its requests ended", flag="--frontend-silent-timeout",

@@ -3,6 +3,8 @@ tokens first, and nothing lost, duplicated or reordered within a request."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,7 +58,7 @@ def test_first_tokens_go_first_and_an_error_is_never_merged() -> None:
 
 
 def test_a_batch_bounds_a_message_oldest_first_and_late_tokens_start_a_new_delta() -> None:
-    box = Outbox(4, batch=2)
+    box = Outbox(4, batch=2, idle_s=math.inf)  # (never idle: the batch always applies)
     for r in "abc":
         box.add(Delta(r, 3, [1]))
     box.add(Delta("new", 0, [7]))
@@ -69,6 +71,33 @@ def test_a_batch_bounds_a_message_oldest_first_and_late_tokens_start_a_new_delta
     assert [(d.rid, d.offset, d.token_ids) for d in second] == [("c", 3, [1, 2]), ("a", 5, [3])]
     assert first[1].token_ids == [1, 2]  # a sent delta is never changed afterwards
     assert len(box) == 0 and box.in_flight == 2
+
+
+def test_a_frontend_that_keeps_up_takes_a_whole_step_and_one_that_lags_a_batch() -> None:
+    now = [100.0]
+    box = Outbox(2, batch=2, idle_s=0.002, clock=lambda: now[0])  # (idle: credited over 2 ms ago)
+    for r in "abcd":
+        box.add(Delta(r, 3, [1]))
+    assert len(box.take()) == 4  # nothing in flight, never credited: idle, the whole step
+    for r in "abcd":
+        box.add(Delta(r, 4, [2]))
+    assert [d.rid for d in box.take()] == ["a", "b"]  # one message in flight: a batch
+    box.credit(2)  # everything credited now: a send at once is the overloaded case
+    assert [d.rid for d in box.take()] == ["c", "d"]
+    box.add(Delta("a", 5, [3]))
+    box.credit(1)
+    now[0] += 0.001
+    for r in "bcd":
+        box.add(Delta(r, 5, [3]))
+    assert [d.rid for d in box.take()] == ["a", "b"]  # credited 1 ms ago: still a batch
+    for r in "abcd":
+        box.add(Delta(r, 6, [4]))  # c and d merge into their waiting ones
+    box.credit(1)
+    now[0] += 0.005
+    took = box.take()  # credited 5 ms ago, nothing in flight: the frontend keeps up
+    assert [(d.rid, d.offset, d.token_ids) for d in took] == [
+        ("c", 5, [3, 4]), ("d", 5, [3, 4]), ("a", 6, [4]), ("b", 6, [4])]
+    assert len(box) == 0
 
 
 def test_first_tokens_leave_past_a_full_window() -> None:
@@ -94,9 +123,11 @@ def test_a_window_below_one_is_refused() -> None:
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[int, int, dict[str, list[Delta]], list[tuple[str, int]]]:
+def workloads(draw: st.DrawFn
+              ) -> tuple[int, int, bool, dict[str, list[Delta]], list[tuple[str, int]]]:
     window = draw(st.integers(1, 3))
     batch = draw(st.integers(0, 3))
+    idle = draw(st.booleans())  # the frontend keeps up: a message with nothing in flight is whole
     reqs: dict[str, list[Delta]] = {}
     for r in range(draw(st.integers(1, 5))):
         rid = f"r{r}"
@@ -118,24 +149,25 @@ def workloads(draw: st.DrawFn) -> tuple[int, int, dict[str, list[Delta]], list[t
         st.tuples(st.just("add"), st.integers(0, len(reqs) - 1)),
         st.tuples(st.just("take"), st.just(0)),
         st.tuples(st.just("credit"), st.integers(1, 2))), max_size=80))
-    return window, batch, reqs, ops
+    return window, batch, idle, reqs, ops
 
 
 @settings(max_examples=300, deadline=None)
 @given(workloads())
 def test_nothing_is_lost_duplicated_or_reordered(
-        w: tuple[int, int, dict[str, list[Delta]], list[tuple[str, int]]]) -> None:
-    window, batch, reqs, ops = w
+        w: tuple[int, int, bool, dict[str, list[Delta]], list[tuple[str, int]]]) -> None:
+    window, batch, idle, reqs, ops = w
     pending = {rid: [Delta(d.rid, d.offset, list(d.token_ids), d.finish_reason, d.usage, d.error,
                            d.error_kind) for d in ds] for rid, ds in reqs.items()}
     rids = list(pending)
-    box = Outbox(window, batch)
+    box = Outbox(window, batch, idle_s=-1.0 if idle else math.inf)
     got: dict[str, list[Delta]] = {rid: [] for rid in rids}
 
     def take() -> None:
         assert box.in_flight < window  # a regular message only within the window
+        whole = idle and not box.in_flight
         msg = box.take()
-        if batch:
+        if batch and not whole:
             assert sum(1 for d in msg if d.offset) <= batch
         seen_rest = False
         for d in msg:  # first tokens ahead of every other delta in the message
