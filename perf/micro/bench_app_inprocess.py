@@ -18,7 +18,8 @@ from typing import Any
 
 async def _one(app: Any, body: bytes, tokens: int, nowait: bool = False) -> int:
     """One streamed request through the app's ASGI interface; the body writes it made. `nowait`:
-    the server offers the body_nowait extension (as tandem's uvicorn protocol does), counted too."""
+    the server offers the body_nowait and on_gone extensions (as tandem's uvicorn protocol does);
+    body_nowait's writes are counted too."""
     chunks = 0
     sent = [False]
 
@@ -41,8 +42,9 @@ async def _one(app: Any, body: bytes, tokens: int, nowait: bool = False) -> int:
 
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/completions",
                              "headers": []}
-    if nowait:
-        scope["extensions"] = {"tandem.body_nowait": body_nowait}
+    if nowait:  # (and a disconnect callback, as tandem's uvicorn protocol offers: never called)
+        scope["extensions"] = {"tandem.body_nowait": body_nowait,
+                               "tandem.on_gone": lambda callback: True}
     await app(scope, receive, send)
     return chunks
 

@@ -59,6 +59,18 @@ async def test_real_server_client_disconnect_aborts(pre: Preprocessor,
     assert pool.aborted == [pool.streams[0].rid]
 
 
+async def test_real_server_client_leaving_before_an_aggregated_reply_aborts(
+        pre: Preprocessor, live: tuple[HttpServer, FakePool]) -> None:
+    server, pool = live
+    pool.script = one_token_script(ids_of(pre, "ab"), [Hang()])  # no reply ever starts
+    url = f"http://127.0.0.1:{server.port}"
+    async with httpx.AsyncClient(base_url=url) as c:
+        with pytest.raises(httpx.ReadTimeout):  # (the client closes the connection)
+            await c.post(CHAT, json={"messages": USER}, timeout=httpx.Timeout(5, read=0.5))
+    await asyncio.wait_for(pool.exited.wait(), timeout=5)
+    assert pool.aborted == [pool.streams[0].rid]
+
+
 async def test_real_server_streams_to_the_sdk(pre: Preprocessor,
                                               live: tuple[HttpServer, FakePool]) -> None:
     server, pool = live

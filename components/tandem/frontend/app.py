@@ -33,7 +33,7 @@ from tandem.frontend import validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
-from tandem.frontend.limits import BODY_NOWAIT
+from tandem.frontend.limits import BODY_NOWAIT, ON_GONE
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
@@ -115,7 +115,8 @@ class FrontendApp:
         path: str = scope["path"]
         method: str = scope["method"]
         ext = scope.get("extensions")
-        ex = ResponseWriter(send, ext.get(BODY_NOWAIT) if ext else None)
+        ex = ResponseWriter(send, ext.get(BODY_NOWAIT), ext.get(ON_GONE)) if ext else \
+            ResponseWriter(send)
         t0 = time.monotonic()
         if self._stats is None and self.config.log_stats_interval_s > 0 and not self.draining:
             self._stats = asyncio.ensure_future(log_stats(

@@ -110,11 +110,13 @@ class ResponseWriter:
     cannot take the chunk now (a slow client: writing is paused; the client is gone) or offers no
     such way: the caller then awaits `body`, which waits as the server says."""
 
-    __slots__ = ("_send", "_nowait", "status", "finished", "gone")
+    __slots__ = ("_send", "_nowait", "on_gone", "status", "finished", "gone")
 
-    def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None):
+    def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None,
+                 on_gone: Callable[[Callable[[], None] | None], bool] | None = None):
         self._send = send
         self._nowait = body_nowait
+        self.on_gone = on_gone  # the server's disconnect callback (see watch_disconnect), if any
         self.status = 0
         self.finished = False
         self.gone = False
@@ -167,12 +169,16 @@ class ResponseWriter:
 
 
 class watch_disconnect:
-    """`async with watch_disconnect(receive, writer):` — when the client sends `http.disconnect`
-    before the response is finished, the block is cancelled (and `writer.gone` set); the
-    cancellation ends at the block, as `asyncio.timeout`'s does, so the caller carries on after it.
-    The watcher task is cancelled and awaited on the way out."""
+    """`async with watch_disconnect(receive, writer):` — when the client leaves before the
+    response is finished, the block is cancelled (and `writer.gone` set); the cancellation ends at
+    the block, as `asyncio.timeout`'s does, so the caller carries on after it.
 
-    __slots__ = ("_receive", "_writer", "_task", "_watcher", "_fired")
+    A server that offers a disconnect callback (`writer.on_gone`: tandem's uvicorn protocol,
+    tandem.frontend.limits.ON_GONE) tells us from its `connection_lost`, and nothing else runs.
+    Otherwise a watcher task awaits `receive()` for `http.disconnect` (as ASGI says), and is
+    cancelled and awaited on the way out."""
+
+    __slots__ = ("_receive", "_writer", "_task", "_watcher", "_fired", "_registered")
 
     def __init__(self, receive: Receive, writer: ResponseWriter) -> None:
         self._receive = receive
@@ -180,10 +186,17 @@ class watch_disconnect:
         self._task: asyncio.Task[Any] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._fired = False
+        self._registered = False
 
     async def __aenter__(self) -> watch_disconnect:
         self._task = asyncio.current_task()
-        self._watcher = asyncio.ensure_future(self._wait())
+        on_gone = self._writer.on_gone
+        if on_gone is None:
+            self._watcher = asyncio.ensure_future(self._wait())
+        elif on_gone(self._gone):
+            self._registered = True
+        else:  # gone already: the block is cancelled at its first await
+            self._gone()
         return self
 
     async def _wait(self) -> None:
@@ -191,6 +204,9 @@ class watch_disconnect:
             msg = await self._receive()
             if msg["type"] == "http.disconnect":
                 break
+        self._gone()
+
+    def _gone(self) -> None:
         if not self._writer.finished and self._task is not None:
             self._writer.gone = True
             self._fired = True
@@ -204,8 +220,12 @@ class watch_disconnect:
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
         w, task = self._watcher, self._task
         # The watcher's cancellation is kept by it with a traceback through `_wait`, whose frame
-        # holds this object: dropped here, so the request is freed at once, not by the collector.
+        # holds this object, and the server holds our callback: both dropped here, so the request
+        # is freed at once, not by the collector.
         self._watcher = self._task = None
+        if self._registered and self._writer.on_gone is not None:
+            self._registered = False
+            self._writer.on_gone(None)
         if w is not None and not w.done():
             w.cancel()
             try:

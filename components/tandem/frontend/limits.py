@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -89,9 +90,33 @@ def _body_nowait(cycle: Any, data: bytes) -> bool:
     return True
 
 
+ON_GONE = "tandem.on_gone"  # the scope extension: `fn(callback | None) -> bool`, see _on_gone
+
+
+def _on_gone(cycle: Any, callback: Callable[[], None] | None) -> bool:
+    """Have `callback()` called once, from the connection's `connection_lost`, if the client
+    leaves before this response completes (None: forget it). False when the client is gone
+    already (nothing is registered). What an app would otherwise learn by a task that awaits
+    `receive()` for `http.disconnect`, with no task."""
+    if callback is not None and cycle.disconnected:
+        return False
+    cycle.tandem_on_gone = callback
+    return True
+
+
+def _forget(cycle: Any) -> None:
+    """The cycle's extensions hold the cycle (through their partials): dropped when it is over,
+    so the cycle is freed by reference counting."""
+    ext = cycle.scope.get("extensions")
+    if ext:
+        ext.pop(BODY_NOWAIT, None)
+        ext.pop(ON_GONE, None)
+    cycle.tandem_on_gone = None
+
+
 def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the limits above (pass it as `uvicorn.Config(http=)`),
-    offering the app `BODY_NOWAIT` in each request's scope extensions."""
+    offering the app `BODY_NOWAIT` and `ON_GONE` in each request's scope extensions."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Guarded(HttpToolsProtocol):
@@ -124,10 +149,23 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             if cycle is not None:
                 ext: dict[str, Any] = cycle.scope.setdefault("extensions", {})
                 ext[BODY_NOWAIT] = partial(_body_nowait, cycle)
+                ext[ON_GONE] = partial(_on_gone, cycle)
+
+        def on_response_complete(self) -> None:
+            cycle: Any = self.cycle
+            if cycle is not None:
+                _forget(cycle)
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            cycle: Any = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:  # (the response was not complete)
+                gone = getattr(cycle, "tandem_on_gone", None)
+                _forget(cycle)
+                if gone is not None:
+                    gone()
 
         def _arm(self) -> None:
             self._head_bytes = 0
