@@ -59,7 +59,7 @@ async def main(args: argparse.Namespace) -> None:
 
     async def slot() -> int:
         async with sem:
-            return await _one(app, body, args.tokens)
+            return await _one(app, body, args.tokens, args.nowait)
 
     await asyncio.gather(*(slot() for _ in range(args.concurrency)))  # warm up
     c0, t0 = time.process_time(), time.perf_counter()
@@ -75,6 +75,9 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--nowait", action="store_true",
+                    help="offer the scope extensions tandem's uvicorn protocol offers (body_nowait, "
+                         "on_gone); a checkout without them ignores them")
     import uvloop
 
     uvloop.run(main(ap.parse_args()))
