@@ -8,7 +8,8 @@ PD handoff of tandem.engines.pd (its transfers simulated by tandem.kv.movers.Sim
 
 Timing (`MockTiming`): a step sleeps for its prefill cost (per prompt token admitted that step)
 plus its decode cost (per step, and per sequence in the step), plus an optional fixed delay; with
-every cost zero a step sleeps not at all and yields to the event loop once.
+every cost zero a step sleeps not at all and yields to the event loop once. A PD prefill worker's
+sequences do not decode: its steps cost their prompt tokens only.
 
 Sampling parameters, on a toy model: the mock's logits are NATURAL_LOGIT for its natural token
 (`mock_token`) and 0 for every other id. `logit_bias` and the penalties apply to these logits with
@@ -161,7 +162,12 @@ class MockEngine(Stepper):
 
     async def run(self, batch: Batch) -> list[int]:
         num_prompt_tokens = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill)
-        cost = self.timing.step_cost(num_prompt_tokens, len(batch.prefill) + len(batch.decode))
+        # A PD prefill worker's sequences only compute their prompt (and sample the first token
+        # with it): no decode step. Aggregated, a sequence prefilled now decodes in this step.
+        prefill = batch.prefill
+        num_decoding = len(batch.decode) + (
+            sum(1 for s in prefill if s.pd != "prefill") if prefill else 0)
+        cost = self.timing.step_cost(num_prompt_tokens, num_decoding)
         # The step's tokens come out when its compute would have finished (sleep(0): a yield).
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid
