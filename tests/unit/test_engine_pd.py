@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tandem.engines.mock import MockEngine, mock_token
+from tandem.engines.mock import MockEngine, MockTiming, mock_token
 from tandem.engines.pd import DecodeHandoff, Host, PrefillHandoff
 from tandem.kv.handoff import Destination
 from tandem.runtime.errors import KvHandoffError
@@ -128,6 +128,32 @@ async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
         await finished(run)
         assert run.outputs[0][0] == want[:1] and run.ids == want and run.finish == "length"
         await wait_idle(d)
+    finally:
+        await d.shutdown()
+
+
+async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
+        mock_dir: str) -> None:
+    """A decode request arriving mid-step has its pages reserved and its K/V fetched at once, and
+    its first token goes out when the K/V is in place, while the step still runs (the busy
+    request's outputs are the clock: none arrives in between)."""
+    ch = FakeDecodeChannel()
+    d = await engine(mock_dir, DecodeHandoff, ch, timing=MockTiming(decode_step_s=1.0))
+    try:
+        busy = Recorder(d).submit(d, "busy", [7, 8], SamplingParams(max_tokens=50))  # (agg)
+        while not busy.outputs:
+            await asyncio.sleep(0.001)
+        seen = len(busy.outputs)  # now inside a one-second decode step
+        run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
+        while ch.result is None:
+            await asyncio.sleep(0.001)
+        assert d.load().pages_reserved == d.pool.pages_for(3 + 5)
+        want = first_ids([4, 5, 6], 5)
+        ch.result.set_result(want[0])
+        while not run.outputs:
+            await asyncio.sleep(0.001)
+        assert run.outputs[0][0] == want[:1]
+        assert len(busy.outputs) == seen  # the step that was running has not ended yet
     finally:
         await d.shutdown()
 

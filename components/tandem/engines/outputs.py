@@ -24,9 +24,9 @@ Items = list[tuple[Sequence, EngineOutput]]
 @dataclass(slots=True)
 class Step:
     """What a step hands to the loop: outputs to deliver, prefills whose first token (and its
-    logprobs) was sampled, decode requests whose pages were reserved, PD requests that failed."""
+    logprobs) was sampled, PD requests that failed. (Decode requests whose pages a schedule
+    reserved are handed over before the step runs: `Stepper._reserved`.)"""
 
-    reserved: list[Sequence]
     items: Items = field(default_factory=list)
     computed: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)

@@ -167,12 +167,8 @@ class Scheduler:
             seq = self.waiting[0]
             need = self.pool.pages_for(seq.max_total)
             if seq.pd == "decode":
-                if not self.pool.can_allocate(need):
+                if not self._reserve(seq, need):
                     break
-                self.waiting.popleft()
-                seq.pages = self.pool.reserve(seq.owner, need)
-                seq.status = SeqStatus.FETCHING
-                self.fetching[seq.owner] = seq
                 batch.reserved.append(seq)
                 continue
             new_tokens = len(seq.prompt_ids) - seq.num_cached
@@ -186,6 +182,28 @@ class Scheduler:
             batch.prefill.append(seq)
             budget -= new_tokens
         return batch
+
+    def reserve_waiting(self) -> list[Sequence]:
+        """Reserve pages now for the PD decode requests at the head of the queue, in order, as
+        far as pages and the batch allow (what `schedule` would do first): a decode request's
+        K/V can be fetched without waiting for a step boundary."""
+        out: list[Sequence] = []
+        while (self.waiting and self.waiting[0].pd == "decode"
+               and len(self.running) + len(self.fetching) < self.max_batch):
+            seq = self.waiting[0]
+            if not self._reserve(seq, self.pool.pages_for(seq.max_total)):
+                break
+            out.append(seq)
+        return out
+
+    def _reserve(self, seq: Sequence, need: int) -> bool:
+        if not self.pool.can_allocate(need):
+            return False
+        self.waiting.popleft()
+        seq.pages = self.pool.reserve(seq.owner, need)
+        seq.status = SeqStatus.FETCHING
+        self.fetching[seq.owner] = seq
+        return True
 
     def to_sending(self, seq: Sequence) -> None:
         """A prefill-only sequence computed its first token: out of the batch, pages kept."""

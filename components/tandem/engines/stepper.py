@@ -183,12 +183,17 @@ class Stepper(Engine):
             pd = self.handoff.role
         seq = self.new_sequence(req, pd)
         seq.sink = sink
+        reserved: list[Sequence] = []
         with self._lock:
             self.sched.add(seq)
+            if pd == "decode":  # its pages now, if it is next: the fetch starts mid-step
+                reserved = self.sched.reserve_waiting()
             self._notify()
         if pd == "prefill":
             assert self.handoff is not None
             self.handoff.submitted(seq)
+        elif reserved:
+            self._reserved(reserved)
         return _Handle(self, seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -270,6 +275,8 @@ class Stepper(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if batch.reserved:  # (their fetches need no step: they start now)
+                self._reserved(batch.reserved)
             tokens: list[int] = []
             error: Exception | None = None
             if seqs:
@@ -292,6 +299,11 @@ class Stepper(Engine):
                 else:
                     return
             seqs = batch.all()
+            if batch.reserved:  # (their fetches need no step: they start now)
+                try:
+                    loop.call_soon_threadsafe(self._reserved, batch.reserved)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    return
             tokens: list[int] = []
             error: Exception | None = None
             if seqs:
@@ -310,7 +322,7 @@ class Stepper(Engine):
                      error: Exception | None) -> Step:
         """The step's bookkeeping (under the lock): tokens appended, finished requests' pages
         freed, outputs made."""
-        step = Step(batch.reserved)
+        step = Step()
         lps = batch.logprobs
         if error is not None:
             log.error("%s engine step failed: %r", self.name, error)
@@ -353,13 +365,20 @@ class Stepper(Engine):
         self._notify()
         return step
 
+    def _reserved(self, seqs: list[Sequence]) -> None:
+        """On the loop: decode requests whose pages were reserved; their K/V is fetched now."""
+        handoff = self.handoff
+        if handoff is None or self._closed:
+            return
+        for seq in seqs:
+            if seq.status is SeqStatus.FETCHING:  # (not cancelled since)
+                handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
+
     def _handed_over(self, step: Step) -> None:
         """On the loop: the step's handoff events, then its outputs (none for a request
         cancelled since the step made them)."""
         handoff = self.handoff
         if handoff is not None:
-            for seq in step.reserved:  # decode: pages reserved, its KV can be fetched now
-                handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
             for seq, token, lp in step.computed:
                 handoff.computed(seq, token, lp)
             for seq in step.failed:
