@@ -27,14 +27,8 @@ import logging
 import threading
 from typing import Any
 
-from tandem.engines.base import (
-    Engine,
-    EngineError,
-    EngineOutput,
-    EngineRequest,
-    EngineRequestError,
-    OutputSink,
-)
+from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
+                                 EngineRequestError, OutputSink)
 from tandem.engines.outputs import Items, Step, deliver, make_output, step_rare
 from tandem.engines.pd import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request
