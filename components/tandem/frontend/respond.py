@@ -119,8 +119,10 @@ class _Response:
         self.out: list[bytes] = []  # produced, not written yet (the task writes it)
 
     def ready(self, i: int) -> None:
-        """Choice `i`'s collector turned non-empty (the collector's listener)."""
-        if self.parked and not self.queue:
+        """Choice `i`'s collector turned non-empty (the collector's listener). What push could
+        not write (a stream not started yet: the first token; a server without body_nowait)
+        wakes the task at once, not one loop pass later through the pusher."""
+        if self.parked and not self.queue and (self.w.can_write_nowait or not self.job.stream):
             _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
             return
         self.queue.append(i)
