@@ -34,6 +34,8 @@ METRICS = [
     ("cpu_us_per_chunk_frontend", "frontend CPU-µs/chunk"), ("cpu_us_per_chunk", "CPU-µs/chunk"),
     ("cpu_us_per_token_agg", "agg CPU-µs/tok"), ("cpu_us_per_token_prefill", "prefill CPU-µs/tok"),
     ("cpu_us_per_token_decode", "decode CPU-µs/tok"), ("cpu_us_per_token", "all CPU-µs/tok"),
+    ("client_cpu_us_per_token", "load generator CPU-µs/tok"),
+    ("frontend_chunk_per_client_token", "frontend CPU/chunk ÷ load generator CPU/tok"),
 ]
 
 
@@ -62,6 +64,12 @@ def _value(row: dict, key: str) -> float | None:
     if key == "cpu_us_per_chunk_frontend":  # frontend CPU per streamed chunk (derived)
         tok, cpt = row.get("cpu_us_per_token_frontend"), row.get("chunks_per_token")
         return round(tok / cpt, 2) if isinstance(tok, (int, float)) and cpt else None
+    if key == "frontend_chunk_per_client_token":
+        # The load generator's code is this tree's in every run: its CPU per token moves only
+        # with the machine's speed (by a third between runs on a shared VM), so this ratio is the
+        # frontend's cost with that drift taken out (derived).
+        chunk, client = _value(row, "cpu_us_per_chunk_frontend"), row.get("client_cpu_us_per_token")
+        return round(chunk / client, 3) if chunk is not None and client else None
     v = row.get(key)
     return v if isinstance(v, (int, float)) else None
 
