@@ -64,10 +64,10 @@ _WEDGED_ZMQ_CONTEXTS: list[object] = []  # kept: collecting one would block in i
 @pytest.fixture(autouse=True)
 def _fresh_zmq_context() -> Iterator[None]:
     """Each test's in-process ZMQ sockets get a context of their own, destroyed (what the test
-    left open closed) when it ends. Seen in full runs: after a reference PD test hung (its decode
-    side's new bootstrap connection never connected), every later test that used ZMQ in this
-    process failed the same way, as if the shared context no longer served new connections. A
-    context whose destroy does not finish within 2 s is left to its thread and never collected
+    left open closed) when it ends, so one test's context cannot fail the next. (Seen before the
+    cause was fixed: a disconnect monitor whose reader closed first stopped libzmq's I/O thread,
+    and every later test that used ZMQ in the process failed; see tests/unit/test_zmq_monitor.py.)
+    A context whose destroy does not finish within 2 s is left to its thread and never collected
     (its `__del__` would block the interpreter's exit the same way)."""
     from tandem.runtime import transport
 

@@ -5,7 +5,6 @@ An engine that cannot do one of these refuses it at submit, naming the field (ch
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -101,16 +100,7 @@ async def test_pd_with_penalties_and_bias_equals_aggregated(make: Make) -> None:
         await wait_idle(e)
 
 
-async def test_pd_logprobs_equal_aggregated_or_are_refused(make: Make,
-                                                          request: pytest.FixtureRequest) -> None:
-    if request.node.callspec.params.get("make") == "reference":
-        # Known intermittent hang, about 1 run in 5 of this file (reproduced on d7669d4 too):
-        # the decode side's new bootstrap connection to the prefill side (two engines in this
-        # process) never gets a TCP connection, so the prefill waits for its room until the
-        # 30 s deadline. Not the zero-copy path and not the monitor socket (both tried); open.
-        request.applymarker(pytest.mark.xfail(strict=False, raises=asyncio.TimeoutError,
-                                              reason="intermittent in-process bootstrap "
-                                              "connection that never connects"))
+async def test_pd_logprobs_equal_aggregated_or_are_refused(make: Make) -> None:
     link, agg, prefill, decode = await pd_pair(make)
     sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=4, temperature=0.8, seed=9,
                         presence_penalty=0.5)

@@ -249,10 +249,6 @@ def held(entered: threading.Event, gate: threading.Event) -> ComputeHook:
     return hook
 
 
-@pytest.mark.xfail(strict=False, raises=asyncio.TimeoutError,
-                   reason="known intermittent race (about 1 run in 3 on a loaded 2-core machine): "
-                   "D sometimes does not hear that P's cancelled prefill failed its room within "
-                   "2 s; under investigation, see the closing note of this change")
 async def test_prefill_cancelled_before_send_fails_the_room(make_cluster: MakeCluster) -> None:
     # D asks first; P's prefill is held in its step and cancelled there: the room must fail at
     # once, so D learns (long before its 30 s deadline) and gets its pages back without waiting

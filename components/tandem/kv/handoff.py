@@ -20,12 +20,12 @@ its rooms end by their deadlines, pages quarantined as above), never the decode 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-import zmq.utils.monitor
 
 from tandem.kv.movers import KvMover
 from tandem.kv.prefill_side import Destination, PrefillSide
@@ -66,6 +66,7 @@ class _Conn:
     hello: asyncio.Future[KvHelloReply]
     rooms: dict[int, _Pending] = field(default_factory=dict)
     dead: bool = False
+    watch: asyncio.Task[None] | None = None  # _watch: its disconnect monitor's reader
 
 
 class DecodeSide:
@@ -145,7 +146,7 @@ class DecodeSide:
             conn = _Conn(address, sock, asyncio.get_running_loop().create_future())
             self._conns[address] = conn
             self._tasks.spawn(self._recv_loop(conn), name=f"kv-recv {address}")
-            self._tasks.spawn(self._watch(conn), name=f"kv-watch {address}")
+            conn.watch = self._tasks.spawn(self._watch(conn), name=f"kv-watch {address}")
             self._send(conn, KvHello(wire.PROTOCOL_VERSION, self.name, self.mover.metadata(),
                                      self.mover.kv_layout()))
         try:
@@ -171,7 +172,10 @@ class DecodeSide:
         for p in conn.rooms.values():
             if not p.fut.done():
                 p.fut.set_result(KvDone(-1, False, error=why))
-        conn.sock.close(linger=0)
+        transport.close(conn.sock)  # (its monitor off first: see transport.disconnects)
+        w = conn.watch
+        if w is not None and w is not asyncio.current_task():
+            w.cancel()
 
     async def _recv_loop(self, conn: _Conn) -> None:
         try:
@@ -193,11 +197,7 @@ class DecodeSide:
                 del self._conns[conn.address]
 
     async def _watch(self, conn: _Conn) -> None:
-        mon = conn.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while not conn.dead:
-                event = zmq.utils.monitor.parse_monitor_message(await mon.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._drop(conn, f"prefill worker at {conn.address} disconnected")
-        finally:
-            mon.close(linger=0)
+        async with contextlib.aclosing(transport.disconnects(conn.sock)) as events:
+            async for _ in events:
+                self._drop(conn, f"prefill worker at {conn.address} disconnected")
+                return

@@ -25,7 +25,6 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
-import zmq.utils.monitor
 
 from tandem.runtime import transport, wire
 
@@ -86,21 +85,11 @@ class ZmqChannel(Generic[T, U]):
     def unread(self) -> bool:
         return not self._sock.closed and bool(int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
-    async def disconnects(self) -> AsyncIterator[None]:
-        mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                parts = await mon.recv_multipart()
-                if zmq.utils.monitor.parse_monitor_message(parts)["event"] \
-                        == zmq.EVENT_DISCONNECTED:
-                    yield None
-        finally:
-            if not self._sock.closed:
-                self._sock.disable_monitor()
-            mon.close(linger=0)
+    def disconnects(self) -> AsyncIterator[None]:
+        return transport.disconnects(self._sock)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        transport.close(self._sock)
 
 
 class MemoryChannel(Generic[T, U]):

@@ -16,11 +16,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar, cast
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from tandem.runtime import auth, wire
 from tandem.runtime.config import ZMQ_HWM
@@ -86,6 +87,30 @@ def dealer(connect: str, identity: bytes) -> zmq.asyncio.Socket:
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     sock.connect(connect)
     return sock
+
+
+def close(sock: zmq.asyncio.Socket) -> None:
+    """Close `sock` at once (linger 0), its monitor off first (see `disconnects`)."""
+    if not sock.closed:
+        sock.disable_monitor()
+        sock.close(linger=0)
+
+
+async def disconnects(sock: zmq.asyncio.Socket) -> AsyncGenerator[None, None]:
+    """One item each time `sock` loses a connection (a ZMQ monitor on it). On the way out the
+    monitor is turned off BEFORE its reader is closed: libzmq's I/O thread sends monitor events
+    with a blocking send, so a monitor whose reader is gone stops that thread at the next
+    disconnect, and with it every socket of the context (no new connection ever connects)."""
+    mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        while True:
+            parts = await mon.recv_multipart()
+            if zmq.utils.monitor.parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
+                yield None
+    finally:
+        if not sock.closed:
+            sock.disable_monitor()
+        mon.close(linger=0)
 
 
 def frames(msg: wire._Tagged, identity: bytes | None = None) -> list[bytes]:
