@@ -12,12 +12,12 @@ factory here (an engine that needs a GPU skips itself where there is none).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem import launcher
 from tandem.engines.base import Engine
 from tandem.engines.pd import HandoffConfig
 from tandem.kv.movers import KvMover, LocalFabric, LocalMover, SimulatedMover
@@ -28,9 +28,7 @@ HOST = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    return launcher.free_port(HOST)
 
 
 @dataclass

@@ -16,7 +16,6 @@ for _k, _v in {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": 
 
 import asyncio  # noqa: E402
 import random  # noqa: E402
-import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import AsyncIterator, Awaitable, Callable  # noqa: E402
@@ -28,6 +27,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("nixl")
 
+from tandem import launcher  # noqa: E402
 from tandem.engines.base import Engine  # noqa: E402
 from tandem.engines.pd import HandoffConfig  # noqa: E402
 from tandem.engines.reference import ReferenceEngine, write_tiny_model  # noqa: E402
@@ -52,9 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    return launcher.free_port(HOST)
 
 
 def nixl(name: str) -> Any:
