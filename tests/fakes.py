@@ -231,6 +231,31 @@ def write_model_dir(path: Path, tokenizer: Tokenizer | None = None,
     return path
 
 
+async def asgi_post(app: Any, path: str, body: bytes, out: list[bytes],
+                    extensions: dict[str, Any] | None = None) -> None:
+    """One POST through an ASGI app whose client stays (its `receive` waits after the body):
+    every non-empty body chunk written through `send` is appended to `out`, in order.
+    `extensions`: the scope's server extensions (body_nowait, on_gone), if any."""
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.body" and msg.get("body"):
+            out.append(msg["body"])
+
+    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": path, "headers": []}
+    if extensions:
+        scope["extensions"] = extensions
+    await app(scope, receive, send)
+
+
 class MemoryWorkers:
     """The worker ends of a WorkerPool's channels, in memory (`WorkerPool(..., connect=w.connect)`):
     what the frontend sent each worker crosses the wire encoding and is kept in `sent(address)`."""

@@ -18,7 +18,7 @@ from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.config import FrontendConfig
 from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
-from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
+from tests.fakes import FakePool, Hang, asgi_post, one_token_script, write_model_dir
 from tests.metrics_text import value
 
 CHAT = "/v1/chat/completions"
@@ -391,23 +391,7 @@ async def _asgi_stream(app: FrontendApp, body: dict[str, Any],
     from tandem.frontend.limits import BODY_NOWAIT
 
     sent: list[bytes] = []
-    raw = json.dumps(body).encode()
-    asked = [False]
-
-    async def receive() -> dict[str, Any]:
-        if not asked[0]:
-            asked[0] = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg: dict[str, Any]) -> None:
-        if msg["type"] == "http.response.body" and msg["body"]:
-            sent.append(msg["body"])
-
-    scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": [],
-             "extensions": {BODY_NOWAIT: nowait}}
-    await app(scope, receive, send)
+    await asgi_post(app, COMPLETIONS, json.dumps(body).encode(), sent, {BODY_NOWAIT: nowait})
     return sent, nowait.chunks
 
 

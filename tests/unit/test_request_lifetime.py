@@ -9,17 +9,17 @@ import asyncio
 import gc
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tandem.config import FrontendConfig
 from tandem.frontend.app import FrontendApp
+from tandem.frontend.limits import BODY_NOWAIT
 from tandem.frontend.preprocess import Preprocessor
 from tandem.router.request import Leg, RequestHandle
 from tandem.runtime import wire
 from tandem.runtime.collector import DeltaCollector
-from tests.fakes import memory_pool, write_model_dir
+from tests.fakes import asgi_post, memory_pool, write_model_dir
 
 TOKENS = 4
 
@@ -37,29 +37,13 @@ async def _request(app: FrontendApp, body: bytes, nowait: bool) -> list[bytes]:
     """One streamed completion through ASGI (the client stays: its `receive` waits); the bytes
     of the response body."""
     out: list[bytes] = []
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg: dict[str, Any]) -> None:
-        if msg["type"] == "http.response.body":
-            out.append(msg.get("body", b""))
 
     def body_nowait(data: bytes) -> bool:
         out.append(data)
         return True
 
-    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/completions",
-                             "headers": []}
-    if nowait:
-        scope["extensions"] = {"tandem.body_nowait": body_nowait}
-    await app(scope, receive, send)
+    await asgi_post(app, "/v1/completions", body, out,
+                    {BODY_NOWAIT: body_nowait} if nowait else None)
     return out
 
 

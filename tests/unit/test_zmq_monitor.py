@@ -11,33 +11,35 @@ from __future__ import annotations
 import asyncio
 
 import zmq
+import zmq.asyncio
 
 from tandem.runtime import transport
 
 
-async def _round_trip(ctx: zmq.asyncio.Context) -> bytes:
+async def _connected(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket,
+                                                        bytes]:
+    """A ROUTER, a DEALER connected to it, and the message ("ping") the dealer sent through."""
     router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = ctx.socket(zmq.DEALER)
-    try:
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        await dealer.send(b"ping")
-        _, data = await asyncio.wait_for(router.recv_multipart(), 2)
-        return bytes(data)
-    finally:
-        transport.close(dealer)
-        transport.close(router)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    await dealer.send(b"ping")
+    _, data = await asyncio.wait_for(router.recv_multipart(), 2)
+    return router, dealer, bytes(data)
+
+
+async def _round_trip(ctx: zmq.asyncio.Context) -> bytes:
+    """A new connection in `ctx` carries a message (times out when the context is wedged)."""
+    router, dealer, data = await _connected(ctx)
+    transport.close(dealer)
+    transport.close(router)
+    return data
 
 
 async def test_a_watcher_that_stops_before_its_peer_leaves_does_not_wedge_the_context() -> None:
     ctx = transport.context()
     for _ in range(3):
-        router = ctx.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        await dealer.send(b"hello")
-        await asyncio.wait_for(router.recv_multipart(), 2)
+        router, dealer, _ = await _connected(ctx)
         events = transport.disconnects(dealer)
         watcher = asyncio.ensure_future(events.__anext__())  # waits for a disconnect
         await asyncio.sleep(0.01)
@@ -54,12 +56,7 @@ async def test_a_watcher_that_stops_before_its_peer_leaves_does_not_wedge_the_co
 
 async def test_a_disconnect_is_seen_and_closing_the_socket_first_is_safe() -> None:
     ctx = transport.context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    await dealer.send(b"hello")
-    await asyncio.wait_for(router.recv_multipart(), 2)
+    router, dealer, _ = await _connected(ctx)
     events = transport.disconnects(dealer)
     watcher = asyncio.ensure_future(events.__anext__())
     await asyncio.sleep(0.01)
