@@ -67,6 +67,12 @@ class _ScriptedCollector(DeltaCollector):
             self.on_take()
         return d
 
+    def take_running(self) -> Delta | None:
+        d = super().take_running()
+        if d is not None:
+            self.on_take()
+        return d
+
 
 class FakeHandle:
     """A request handle (tandem.router.request.RequestHandle's shape) whose deltas follow a

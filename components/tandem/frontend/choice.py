@@ -9,6 +9,7 @@ one a choice gets when its chunks carry more than text (logprobs, usage in every
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,7 +64,7 @@ class ChoiceState:
     collects its text (`text`) for the aggregated body."""
 
     __slots__ = ("detok", "enc", "interval", "buf", "buf_tokens", "num_tokens", "num_chunks",
-                 "finish", "sent", "head")
+                 "finish", "sent", "head", "direct")
 
     def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None, interval: int,
                  role: bool = False, prefix: str = "") -> None:
@@ -77,14 +78,25 @@ class ChoiceState:
         self.finish: str | None = None
         self.sent = False  # whether any text went out yet
         self.head = enc.role() if enc is not None and role else b""  # chat: the role chunk
+        # Once the first text went out, a stream that sends every text at once and has no stop
+        # strings turns each delta's text straight into a chunk: the detokenizer's own step.
+        self.direct: Callable[[Sequence[int]], str] | None = None
 
     def feed(self, d: Delta) -> bytes:
         """Take one (possibly merged) delta. Raises the request's error for an error delta (what
         is buffered stays for `flush`)."""
         ids = d.token_ids
+        fin: str | None = d.finish_reason
+        direct = self.direct
+        if direct is not None and fin is None and ids:  # (see __init__: streamed, so enc)
+            self.num_tokens += len(ids)
+            text = direct(ids)
+            if not text:
+                return b""
+            self.num_chunks += 1
+            return self.enc.text(text)  # type: ignore[union-attr]
         self.num_tokens += len(ids)
         self.buf_tokens += len(ids)
-        fin: str | None = d.finish_reason
         if fin == "error":
             raise error_of(d)
         detok = self.detok
@@ -113,6 +125,8 @@ class ChoiceState:
             self.buf.clear()
             self.buf_tokens = 0
             self.num_chunks += 1
+            if self.interval <= 1:
+                self.direct = detok.direct
             return out
         out, self.head = self.head, b""
         return out

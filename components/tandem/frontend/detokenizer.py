@@ -8,7 +8,8 @@ leaves the request's stream, which aborts it on the worker).
 
 Each step costs O(new tokens), not O(tokens so far):
 - byte-level tokenizers (GPT-2/Llama-3/Qwen style, `decoders.ByteLevel`) map every token id to its
-  bytes once, at load, and feed those bytes to Python's incremental UTF-8 decoder;
+  bytes once, at load, and feed those bytes to Python's incremental UTF-8 decoder (a token that
+  is whole characters by itself, with nothing pending, is its text from a table made at load);
 - any other tokenizer decodes a small window — the tokens of the previous emission plus the new
   ones — and emits the difference (vLLM's prefix/read offsets), so decoders that strip a leading
   space (SentencePiece) see the same context the full decode would.
@@ -74,14 +75,28 @@ class _TextSource(Protocol):
     def flush(self) -> str: ...
 
 
+def text_table(table: list[bytes]) -> list[str | None]:
+    """Each token's text where its bytes are whole UTF-8 characters by themselves (None where
+    they are not: part of a character), so the common step, one token and nothing pending,
+    is one list lookup."""
+    out: list[str | None] = []
+    for raw in table:
+        try:
+            out.append(raw.decode())
+        except UnicodeDecodeError:
+            out.append(None)
+    return out
+
+
 class _ByteLevelText:
     """Token bytes through an incremental UTF-8 decode: the bytes of an incomplete character wait
     in `_pending` until it completes (or the request finishes)."""
 
-    __slots__ = ("_table", "_pending")
+    __slots__ = ("_table", "_texts", "_pending")
 
-    def __init__(self, table: list[bytes]):
+    def __init__(self, table: list[bytes], texts: list[str | None]):
         self._table = table
+        self._texts = texts
         self._pending = b""
 
     def feed(self, ids: Sequence[int]) -> str:
@@ -89,7 +104,15 @@ class _ByteLevelText:
         n = len(table)
         if len(ids) == 1:
             i = ids[0]
-            data = table[i] if 0 <= i < n else b""
+            if not 0 <= i < n:
+                data = b""
+            elif not self._pending:
+                text = self._texts[i]
+                if text is not None:
+                    return text
+                data = table[i]
+            else:
+                data = table[i]
         else:
             data = b"".join([table[i] if 0 <= i < n else b"" for i in ids])
         if self._pending:
@@ -186,14 +209,16 @@ class _StopText:
 class Detokenizer:
     """One request's detokenizer. Call `step(ids)` per delta and `step(ids, final=True)` for the
     last one (or `finish()` when the stream ends without tokens); each returns the text to emit.
-    Once `stopped` is true every later call returns ""."""
+    Once `stopped` is true every later call returns "". `direct`, when not None, is what
+    `step(ids)` (not final) comes to with no stop strings: the text source's own step."""
 
-    __slots__ = ("_text", "_stop", "stopped")
+    __slots__ = ("_text", "_stop", "stopped", "direct")
 
     def __init__(self, text: _TextSource, stops: Sequence[str] = (), include_stop: bool = False):
         self._text = text
         self._stop = _StopText(stops, include_stop) if stops else None
         self.stopped = False
+        self.direct = text.feed if self._stop is None else None
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
         if self.stopped:
@@ -227,7 +252,9 @@ class DetokenizerFactory:
             byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._byte_level = byte_level
         self._table = byte_table(tokenizer, skip_special_tokens) if byte_level else None
+        self._texts = text_table(self._table) if self._table is not None else None
         self._other: list[bytes] | None = None  # the table with the other skip_special_tokens
+        self._other_texts: list[str | None] | None = None
         self._tokens: dict[int, tuple[str, bytes]] = {}
 
     @property
@@ -243,6 +270,16 @@ class DetokenizerFactory:
             self._other = byte_table(self.tokenizer, skip_special_tokens)
         return self._other
 
+    def _texts_for(self, skip_special_tokens: bool) -> list[str | None]:
+        if skip_special_tokens == self.skip_special_tokens:
+            assert self._texts is not None
+            return self._texts
+        if self._other_texts is None:
+            table = self._table_for(skip_special_tokens)
+            assert table is not None
+            self._other_texts = text_table(table)
+        return self._other_texts
+
     def new(self, stops: Sequence[str] = (), context_ids: Sequence[int] = (),
             skip_special_tokens: bool | None = None, include_stop: bool = False) -> Detokenizer:
         """`context_ids`: the prompt's ids (only its last few are used, by the windowed decoder).
@@ -252,7 +289,7 @@ class DetokenizerFactory:
         text: _TextSource
         table = self._table_for(skip)
         if table is not None:
-            text = _ByteLevelText(table)
+            text = _ByteLevelText(table, self._texts_for(skip))
         else:
             text = _WindowText(self.tokenizer, skip, context_ids)
         return Detokenizer(text, stops, include_stop)

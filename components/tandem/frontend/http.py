@@ -104,18 +104,18 @@ class ResponseWriter:
     """The response side of one HTTP exchange. A failed write marks the client gone and raises
     `ClientGone`; `status` is what was sent (0 until the response starts).
 
-    `write_nowait(data)` writes a body chunk of a started response without awaiting, through
-    `body_nowait`, a server's own way to write a chunk now (tandem's uvicorn protocol offers one:
-    tandem.frontend.limits.BODY_NOWAIT). It returns False, having written nothing, when the server
-    cannot take the chunk now (a slow client: writing is paused; the client is gone) or offers no
-    such way: the caller then awaits `body`, which waits as the server says."""
+    `body_nowait(data)`, when the server offers one (tandem's uvicorn protocol does:
+    tandem.frontend.limits.BODY_NOWAIT; None otherwise), writes a body chunk of a started response
+    without awaiting. It returns False, having written nothing, when the server cannot take the
+    chunk now (a slow client: writing is paused; the client is gone): the caller then awaits
+    `body`, which waits as the server says. The caller checks `gone` first."""
 
-    __slots__ = ("_send", "_nowait", "on_gone", "status", "finished", "gone")
+    __slots__ = ("_send", "body_nowait", "on_gone", "status", "finished", "gone")
 
     def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None,
                  on_gone: Callable[[Callable[[], None] | None], bool] | None = None):
         self._send = send
-        self._nowait = body_nowait
+        self.body_nowait = body_nowait  # the server's own (see the class), if it offers one
         self.on_gone = on_gone  # the server's disconnect callback (see watch_disconnect), if any
         self.status = 0
         self.finished = False
@@ -124,16 +124,6 @@ class ResponseWriter:
     @property
     def started(self) -> bool:
         return self.status != 0
-
-    @property
-    def can_write_nowait(self) -> bool:
-        """The response started, the client is there, and the server offers `body_nowait`."""
-        return self.status != 0 and not self.gone and self._nowait is not None
-
-    def write_nowait(self, data: bytes) -> bool:
-        """A body chunk (more follow), written now; False: not written (see the class)."""
-        nowait = self._nowait
-        return nowait is not None and not self.gone and nowait(data)
 
     async def _emit(self, message: Message) -> None:
         if self.gone:

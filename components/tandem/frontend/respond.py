@@ -17,8 +17,8 @@ Push. The task that owns a response is not woken for every token. While it waits
 started, or it is aggregated) and nothing is queued, a delta that is neither a choice's last nor
 an error is handled at the end of the event loop pass in which it arrived (one callback per pass
 for all responses, `_Pusher`; deltas of one request that arrive in the same pass merge in its
-collector first): fed to its choice and written with `ResponseWriter.write_nowait`, which writes
-at once when the server can take it. Everything else wakes the task, which does the same through
+collector first): fed to its choice and written with the server's `body_nowait`
+(ResponseWriter), which writes at once when the server can take it. Everything else wakes the task, which does the same through
 the same `_Response.one`: the first delta (the response starts), a finish, an error, a choice a
 stop string ended (left by the task), a chunk the server cannot take now (a slow client: the
 server paused writing; the task awaits `send`, while the collector merges what arrives
@@ -71,7 +71,8 @@ class Handle(Protocol):
 
 class _Pusher:
     """Runs the pushes marked during one event loop pass at its end, with one callback per pass
-    for every response: deltas of a request that arrive in the same pass merge first."""
+    for every response: deltas of a request that arrive in the same pass merge first. A push its
+    response cannot take (see `_Response.push`) goes to the response's task."""
 
     __slots__ = ("marked", "loop")
 
@@ -80,17 +81,19 @@ class _Pusher:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def mark(self, r: _Response, i: int) -> None:
-        loop = asyncio.get_running_loop()
-        if not self.marked or loop is not self.loop:  # (a loop that closed took its callback)
-            self.marked.clear()
-            self.loop = loop
+        # (asyncio.get_running_loop() is a getpid() system call: once per pass, not per token)
+        if not self.marked or self.loop is None or not self.loop.is_running():
+            self.marked.clear()  # (a loop that stopped took its callback; one runs per thread)
+            self.loop = loop = asyncio.get_running_loop()
             loop.call_soon(self.run)
         self.marked.append((r, i))
 
     def run(self) -> None:
         marked, self.marked = self.marked, []
         for r, i in marked:
-            r.pushed(i)
+            if not (r.parked and not r.queue and r.push(i)):
+                r.queue.append(i)
+                r.wake()
 
 
 _PUSHER = _Pusher()
@@ -100,7 +103,8 @@ class _Response:
     """One response's loop state, shared by its task (`run`) and by `push`."""
 
     __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "queue",
-                 "waiter", "parked", "leaving", "crash", "takes", "peeks", "observe", "out")
+                 "waiter", "parked", "leaving", "crash", "takes", "running", "observe", "out",
+                 "nowait")
 
     def __init__(self, job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                  m: FrontendMetrics, rid: str, created: int) -> None:
@@ -114,25 +118,22 @@ class _Response:
         self.leaving: list[int] = []  # choices push saw a stop string end: the task leaves them
         self.crash: BaseException | None = None  # what push raised: the task raises it
         self.takes = [h.collector.take for h in handles]
-        self.peeks = [h.collector.peek for h in handles]
+        self.running = [h.collector.take_running for h in handles]
         self.observe = m.itl.observe_n
         self.out: list[bytes] = []  # produced, not written yet (the task writes it)
+        # Push writes through the server's body_nowait; aggregated, it only feeds.
+        self.nowait = w.body_nowait if job.stream else None
 
     def ready(self, i: int) -> None:
         """Choice `i`'s collector turned non-empty (the collector's listener). What push could
         not write (a stream not started yet: the first token; a server without body_nowait)
-        wakes the task at once, not one loop pass later through the pusher."""
-        if self.parked and not self.queue and (self.w.can_write_nowait or not self.job.stream):
+        wakes the task at once, not one loop pass later through the pusher. (Parked and
+        streamed means started.)"""
+        if self.parked and not self.queue and (self.nowait is not None or not self.job.stream):
             _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
             return
         self.queue.append(i)
         self.wake()
-
-    def pushed(self, i: int) -> None:
-        """The end of the loop pass in which choice `i` turned ready while the task waited."""
-        if not (self.parked and not self.queue and self.push(i)):
-            self.queue.append(i)
-            self.wake()
 
     def wake(self) -> None:
         self.parked = False
@@ -156,15 +157,16 @@ class _Response:
         return self.states[i].feed(d)
 
     def push(self, i: int) -> bool:
-        """Handle choice `i`'s delta here, without the task; False: it is the task's."""
-        d = self.peeks[i]()
-        if d is None or d.finish_reason is not None:  # a failure, a finish: the task's
-            return False
+        """Handle choice `i`'s delta here, without the task (which is parked with nothing
+        queued); False: it is the task's (a finish, a failure, a client the server cannot
+        write to now)."""
         st = self.states[i]
-        stream = self.job.stream
-        if st.finish is None and stream and not self.w.can_write_nowait:
+        nowait = self.nowait
+        if st.finish is None and nowait is None and self.job.stream:
             return False  # (the task writes, as the server lets it)
-        self.takes[i]()
+        d = self.running[i]()
+        if d is None:  # a failure, a finish: the task's
+            return False
         if st.finish is not None:
             return True  # after a stop string: dropped, as the task would
         try:
@@ -173,7 +175,7 @@ class _Response:
             self.crash = e
             self.wake()
             return True
-        if data and not self.w.write_nowait(data):  # the server cannot take it now
+        if data and (nowait is None or self.w.gone or not nowait(data)):  # not taken now
             self.out.append(data)  # the task writes it, waiting as the server says
             self.wake()
         if st.finish is not None:  # a stop string ended it: the task leaves its request

@@ -38,7 +38,7 @@ def event(obj: Any) -> bytes:
 class ChunkEncoder:
     """Encodes one request's streamed chunks (`chat.completion.chunk` or `text_completion`)."""
 
-    __slots__ = ("kind", "rid", "created", "model", "index", "_head", "_mid")
+    __slots__ = ("kind", "rid", "created", "model", "index", "_head", "_mid", "_tail")
 
     def __init__(self, kind: Kind, rid: str, created: int, model: str, index: int = 0):
         self.kind = kind
@@ -56,9 +56,12 @@ class ChunkEncoder:
         else:
             self._head = head + b'"text":'
             self._mid = b',"logprobs":null,"finish_reason":'
+        self._tail = self._mid + b"null}]}\n\n"  # (a chunk that does not finish)
 
     def text(self, text: str, finish: str | None = None) -> bytes:
         """A chunk carrying new text (and, on the last one, the finish reason)."""
+        if finish is None:
+            return b"%b%b%b" % (self._head, _encode(text), self._tail)
         fin = _FINISH.get(finish)
         if fin is None:
             fin = _encode(finish)

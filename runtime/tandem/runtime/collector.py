@@ -6,8 +6,8 @@ usage and error of the newest win), so a slow client never grows a queue and the
 fuller chunk instead of many. `fail(err)` ends the request with an error that the reader sees after
 the pending delta (text that arrived before a failure is never lost). The reader either awaits
 `get()` or, to multiplex several collectors in one loop, registers a `listen` callback, told once
-each time the collector turns non-empty, and calls `take()` (`peek()` first, to look at the
-pending delta without taking it).
+each time the collector turns non-empty, and calls `take()` (or `take_running()`: only a delta
+after which the request goes on).
 
 Offsets are not checked here: the request handle checks them before `put` (ARCHITECTURE.md,
 "The path of a request").
@@ -46,8 +46,15 @@ class DeltaCollector:
         if p is None:
             self._delta = delta
             self._owned = False
-            if not self._signalled:
-                self._signal()
+            if not self._signalled:  # (_signal, inline: once per token on the streaming path)
+                self._signalled = True
+                listener = self._listener
+                if listener is not None:
+                    listener()
+                    return
+                w = self._waiter
+                if w is not None and not w.done():
+                    w.set_result(None)
             return
         if not self._owned:  # first merge: copy, so the caller's delta is never mutated
             self._delta = p.joined(delta)  # (tokens and their logprobs, if any)
@@ -62,9 +69,15 @@ class DeltaCollector:
             if not self._signalled:
                 self._signal()
 
-    def peek(self) -> Delta | None:
-        """The pending delta, left where it is (None when there is none)."""
-        return self._delta
+    def take_running(self) -> Delta | None:
+        """The pending delta if the request goes on after it: it does not finish the request and
+        no failure waits behind it (otherwise None, and it stays for `take`)."""
+        d = self._delta
+        if d is None or d.finish_reason is not None or self._failure is not None:
+            return None
+        self._delta = None
+        self._signalled = False
+        return d
 
     def take(self) -> Delta | None:
         """The pending delta (merged), or None; with nothing pending, raise the failure."""
