@@ -42,7 +42,12 @@ def _frontend_app() -> Any:
             self.rid, self.n, self.i = rid, n, 0
 
         def take(self) -> Delta | None:
-            d = super().take()
+            return self._taken(super().take())
+
+        def take_running(self) -> Delta | None:  # (a checkout without it never calls it)
+            return self._taken(super().take_running())
+
+        def _taken(self, d: Delta | None) -> Delta | None:
             if d is not None and self.i < self.n:
                 asyncio.get_running_loop().call_soon(self.next)
             return d
