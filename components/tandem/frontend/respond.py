@@ -49,6 +49,7 @@ from tandem.frontend.http import JSON, ClientGone, ResponseWriter
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
+from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.wire import Delta
 
 __all__ = ["ChoiceSpec", "ChoiceState", "GenerationJob", "Handle", "respond"]
@@ -81,10 +82,9 @@ class _Pusher:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def mark(self, r: _Response, i: int) -> None:
-        # (asyncio.get_running_loop() is a getpid() system call: once per pass, not per token)
         if not self.marked or self.loop is None or not self.loop.is_running():
             self.marked.clear()  # (a loop that stopped took its callback; one runs per thread)
-            self.loop = loop = asyncio.get_running_loop()
+            self.loop = loop = running_loop()
             loop.call_soon(self.run)
         self.marked.append((r, i))
 
@@ -195,7 +195,7 @@ class _Response:
         self.m.queue_time.observe(self.placed_at - job.t0)
         for i, h in enumerate(handles):
             h.collector.listen(partial(self.ready, i))
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         to_start = job.stream
         left = len(states)
         while left:

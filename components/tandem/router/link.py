@@ -37,7 +37,7 @@ from tandem.router.request import Leg
 from tandem.runtime import errors, wire
 from tandem.runtime.channel import Channel, ChannelFull
 from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
-from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.lifecycle import TaskGroup, running_loop
 from tandem.runtime.wire import (Abort, Credit, Deltas, Generate, Generates, Hello, HelloReply,
                                  Load, LoadQuery, LoadReport, WorkerInfo)
 
@@ -51,7 +51,7 @@ def _nothing() -> None:
 
 
 def _call_soon(callback: Callable[[], None]) -> None:
-    asyncio.get_running_loop().call_soon(callback)
+    running_loop().call_soon(callback)
 
 
 class WorkerLink:

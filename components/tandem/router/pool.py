@@ -63,6 +63,7 @@ class WorkerPool:
                  registry: Registry | None = None, **link_options: Any) -> None:
         """`addresses`: the workers known at the start (none is fine when discovery adds them)."""
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{secrets.token_hex(8)}"
+        self._rand, self._rand_at = b"", 0  # random bytes drawn ahead (_random)
         self._connect, self._link_options = connect, link_options
         self.links: list[WorkerLink] = []  # every link, leaving ones too, in the order added
         self._leaving: set[str] = set()  # removed: no new requests; closed once they have none
@@ -206,7 +207,7 @@ class WorkerPool:
                 return None
             (p, p_page), (d, d_page) = self._choose("prefill", ps, ids), \
                 self._choose("decode", ds, ids)
-            h.start(d, p, bootstrap_of(p, secrets.randbits(63)))
+            h.start(d, p, bootstrap_of(p, self._room()))
             self._count(p, d)
             self.policy.served("prefill", p, ids, p_page)
             self.policy.served("decode", d, ids, d_page)
@@ -235,9 +236,23 @@ class WorkerPool:
             self._admission.fail_all(
                 errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S))
 
+    def _random(self, n: int) -> bytes:
+        """`n` bytes from the OS's CSPRNG, drawn 4 KiB at a time (one system call, not one or
+        two per request)."""
+        buf, at = self._rand, self._rand_at
+        if at + n > len(buf):
+            buf, at = secrets.token_bytes(4096), 0
+            self._rand = buf
+        self._rand_at = at + n
+        return buf[at:at + n]
+
     def new_rid(self) -> str:
         """Unguessable: 96 random bits (a peer cannot name another's request)."""
-        return secrets.token_hex(12)
+        return self._random(12).hex()
+
+    def _room(self) -> int:
+        """A PD pair's bootstrap room: 63 random bits."""
+        return int.from_bytes(self._random(8), "little") >> 1
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
         if not self.ready():

@@ -42,6 +42,7 @@ import msgspec
 from tandem.router.accounting import Share
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
+from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.metrics import Registry
 from tandem.runtime.wire import Bootstrap, Delta, ErrorKind, Generate, SamplingParams, Usage
 
@@ -172,7 +173,7 @@ class RequestHandle:
     async def __aenter__(self) -> RequestHandle:
         timeout = self.options.timeout_s
         if self._timer is None and timeout > 0:
-            self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+            self._timer = running_loop().call_later(timeout, self._expire)
         if not self.legs:
             await self._admit(self)
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.wire import Delta
 
 
@@ -98,7 +99,7 @@ class DeltaCollector:
             d = self.take()
             if d is not None:
                 return d
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = running_loop().create_future()
             try:
                 await self._waiter
             finally:

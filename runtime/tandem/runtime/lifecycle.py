@@ -8,6 +8,7 @@
   `run`), instead of the service limping on without, say, its receive loop.
 - `drain(tasks, timeout)` gives work in flight `timeout` seconds to finish, then cancels and awaits
   what is left: the frontend drains its requests with it, and the worker can too.
+- `running_loop()` is `asyncio.get_running_loop()` for code that runs per request or per token.
 """
 
 from __future__ import annotations
@@ -18,12 +19,27 @@ import gc
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any
 
 from tandem.runtime.config import GC_THRESHOLDS
 
 log = logging.getLogger("tandem")
+
+
+_this_thread = threading.local()
+
+
+def running_loop() -> asyncio.AbstractEventLoop:
+    """The running event loop, as `asyncio.get_running_loop()` gives it, without the `getpid()`
+    system call CPython makes on every call of that (to notice a fork): the loop this thread last
+    asked for, while it still runs (a thread runs one loop at a time). A forked child that goes on
+    running its parent's loop without exec would need the real call; nothing in tandem does."""
+    loop = getattr(_this_thread, "loop", None)
+    if loop is None or not loop.is_running():
+        loop = _this_thread.loop = asyncio.get_running_loop()
+    return loop
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
