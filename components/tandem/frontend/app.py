@@ -167,7 +167,7 @@ class FrontendApp:
             await ex.error(e)
             m.requests.labels(endpoint, str(ex.status)).inc()
             return None
-        work = asyncio.ensure_future(self._respond(job, handles, receive, ex))
+        work = lifecycle.running_loop().create_task(self._respond(job, handles, receive, ex))
         self._work.add(work)
         work.add_done_callback(self._work.discard)
         try:
