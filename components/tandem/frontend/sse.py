@@ -61,7 +61,7 @@ class ChunkEncoder:
     def text(self, text: str, finish: str | None = None) -> bytes:
         """A chunk carrying new text (and, on the last one, the finish reason)."""
         if finish is None:
-            return b"%b%b%b" % (self._head, _encode(text), self._tail)
+            return self._head + _encode(text) + self._tail  # (faster than % or join here)
         fin = _FINISH.get(finish)
         if fin is None:
             fin = _encode(finish)
