@@ -47,15 +47,8 @@ class DeltaCollector:
         if p is None:
             self._delta = delta
             self._owned = False
-            if not self._signalled:  # (_signal, inline: once per token on the streaming path)
-                self._signalled = True
-                listener = self._listener
-                if listener is not None:
-                    listener()
-                    return
-                w = self._waiter
-                if w is not None and not w.done():
-                    w.set_result(None)
+            if not self._signalled:
+                self._signal()
             return
         if not self._owned:  # first merge: copy, so the caller's delta is never mutated
             self._delta = p.joined(delta)  # (tokens and their logprobs, if any)
