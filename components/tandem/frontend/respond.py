@@ -18,11 +18,12 @@ started, or it is aggregated) and nothing is queued, a delta that is neither a c
 an error is handled at the end of the event loop pass in which it arrived (one callback per pass
 for all responses, `_Pusher`; deltas of one request that arrive in the same pass merge in its
 collector first): fed to its choice and written with the server's `body_nowait`
-(ResponseWriter), which writes at once when the server can take it. Everything else wakes the task, which does the same through
-the same `_Response.one`: the first delta (the response starts), a finish, an error, a choice a
-stop string ended (left by the task), a chunk the server cannot take now (a slow client: the
-server paused writing; the task awaits `send`, while the collector merges what arrives
-meanwhile). Order is kept: push only runs while the task is parked with nothing queued.
+(ResponseWriter), which writes at once when the server can take it. Everything else wakes the
+task, which does the same through the same `_Response.one`: the first delta (the response
+starts), a finish, an error, a choice a stop string ended (left by the task), a chunk the server
+cannot take now (a slow client: the server paused writing; the task awaits `send`, while the
+collector merges what arrives meanwhile). Order is kept: push only runs while the task is parked
+with nothing queued.
 
 The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
 produced: `completion_tokens` is every token received by every
