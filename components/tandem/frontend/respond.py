@@ -159,12 +159,10 @@ class _Response:
 
     def push(self, i: int) -> bool:
         """Handle choice `i`'s delta here, without the task (which is parked with nothing
-        queued); False: it is the task's (a finish, a failure, a client the server cannot
-        write to now)."""
+        queued); False: it is the task's (a finish, a failure). Only marked (`ready`) when its
+        chunks can be written here: streamed with the server's body_nowait, or aggregated."""
         st = self.states[i]
         nowait = self.nowait
-        if st.finish is None and nowait is None and self.job.stream:
-            return False  # (the task writes, as the server lets it)
         d = self.running[i]()
         if d is None:  # a failure, a finish: the task's
             return False
