@@ -29,7 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = [
     ("tokens_per_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("chunks_per_token", "chunks/tok"),
+    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
+    ("e2e_p50_ms", "E2E p50 ms"), ("e2e_p99_ms", "E2E p99 ms"), ("chunks_per_token", "chunks/tok"),
     ("cpu_us_per_token_frontend", "frontend CPU-µs/tok"),
     ("cpu_us_per_chunk_frontend", "frontend CPU-µs/chunk"), ("cpu_us_per_chunk", "CPU-µs/chunk"),
     ("cpu_us_per_token_agg", "agg CPU-µs/tok"), ("cpu_us_per_token_prefill", "prefill CPU-µs/tok"),

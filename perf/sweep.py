@@ -40,6 +40,13 @@ def summarize(level, spec: LoadSpec, expected: str | None) -> dict:
     tokens = sum(r.completion_tokens for r in good)
     ttft = sorted(r.ttft_s for r in good)
     gaps = sorted(g for r in good for g in r.gaps_s)
+    # A request's whole time (write to last event) and its time per output token after the first
+    # (vLLM's E2EL and TPOT): at a fixed concurrency, Little's law ties the end-to-end time to the
+    # throughput, so TTFT and the decode time are one split of it (fewer, later chunks move time
+    # from the decode into TTFT, and back).
+    e2e = sorted(r.ttft_s + sum(r.gaps_s) for r in good)
+    tpot = sorted(sum(r.gaps_s) / (r.completion_tokens - 1) for r in good
+                  if r.completion_tokens > 1)
     return {
         "concurrency": level.concurrency, "requests": len(level.results),
         "failed": len(failures), "failures": sorted({why for _, why in failures})[:5],
@@ -47,6 +54,8 @@ def summarize(level, spec: LoadSpec, expected: str | None) -> dict:
         "tokens_per_s": round(tokens / level.wall_s, 1) if level.wall_s else 0.0,
         "ttft_p50_ms": round(pct(ttft, 0.5) * 1e3, 2), "ttft_p99_ms": round(pct(ttft, 0.99) * 1e3, 2),
         "itl_p50_ms": round(pct(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 3),
+        "tpot_p50_ms": round(pct(tpot, 0.5) * 1e3, 3),
+        "e2e_p50_ms": round(pct(e2e, 0.5) * 1e3, 2), "e2e_p99_ms": round(pct(e2e, 0.99) * 1e3, 2),
         "chunks": sum(r.content_chunks for r in good),
         "chunks_per_token": round(sum(r.content_chunks for r in good) / tokens, 3) if tokens else 0,
     }
@@ -117,7 +126,7 @@ def _line(r: dict) -> str:
     return (f"c={r['concurrency']:<5} {r['requests']} req ({r['failed']} failed)  "
             f"{r['tokens_per_s']:.0f} tok/s  ttft p50 {r['ttft_p50_ms']:.1f} p99 "
             f"{r['ttft_p99_ms']:.1f} ms  itl p50 {r['itl_p50_ms']:.2f} p99 {r['itl_p99_ms']:.2f} "
-            f"ms{cpu}")
+            f"ms  e2e p50 {r['e2e_p50_ms']:.1f} ms{cpu}")
 
 
 def write_outputs(out: str, meta: dict, rows: list[dict]) -> None:
