@@ -68,6 +68,12 @@ def _frontend_app() -> Any:
         async def __aexit__(self, *exc: object) -> None:
             return None
 
+        def enter_now(self) -> bool:
+            return False
+
+        def release(self) -> None:
+            return None
+
     class Pool:
         registry = Registry()
         max_context = 1 << 20

@@ -105,7 +105,17 @@ class FakeHandle:
         self._next()
         return self
 
+    def enter_now(self) -> bool:
+        return False  # (entering starts the script)
+
+    def release(self) -> None:
+        if self.entered:
+            self._leave()
+
     async def __aexit__(self, *exc: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
         if self.exited:
             return
         self.exited = True
@@ -238,10 +248,12 @@ def write_model_dir(path: Path, tokenizer: Tokenizer | None = None,
 
 
 async def asgi_post(app: Any, path: str, body: bytes, out: list[bytes],
-                    extensions: dict[str, Any] | None = None) -> None:
+                    extensions: dict[str, Any] | None = None,
+                    starts: list[int] | None = None) -> None:
     """One POST through an ASGI app whose client stays (its `receive` waits after the body):
-    every non-empty body chunk written through `send` is appended to `out`, in order.
-    `extensions`: the scope's server extensions (body_nowait, on_gone), if any."""
+    every non-empty body chunk written through `send` is appended to `out`, in order, and the
+    status of every response start sent through it to `starts`. `extensions`: the scope's server
+    extensions (body_nowait, start_nowait, on_gone), if any."""
     asked = False
 
     async def receive() -> dict[str, Any]:
@@ -255,6 +267,8 @@ async def asgi_post(app: Any, path: str, body: bytes, out: list[bytes],
     async def send(msg: dict[str, Any]) -> None:
         if msg["type"] == "http.response.body" and msg.get("body"):
             out.append(msg["body"])
+        elif msg["type"] == "http.response.start" and starts is not None:
+            starts.append(msg["status"])
 
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": path, "headers": []}
     if extensions:

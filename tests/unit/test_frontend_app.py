@@ -18,7 +18,7 @@ from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.config import FrontendConfig
 from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
-from tests.fakes import FakePool, Hang, asgi_post, one_token_script, write_model_dir
+from tests.fakes import FakePool, Hang, asgi_post, deltas, one_token_script, write_model_dir
 from tests.metrics_text import value
 
 CHAT = "/v1/chat/completions"
@@ -403,6 +403,39 @@ class _Nowait:
         if self.accept:
             self.chunks.append(data)
         return self.accept
+
+
+@pytest.mark.parametrize("accept", [True, False])
+async def test_the_first_chunk_starts_the_response_where_its_delta_arrives(
+        pre: Preprocessor, accept: bool) -> None:
+    """With the server's start_nowait as well, a first delta that arrives while the response's
+    task waits is pushed too: the response starts through start_nowait (never through `send`)
+    and every chunk but the last goes out through body_nowait. A server that cannot start now
+    (False) leaves the start and that chunk to the task. The client's bytes are the same
+    stream."""
+    from tandem.frontend.limits import BODY_NOWAIT, START_NOWAIT
+
+    toks = ids_of(pre, "abcdefghij")
+    pool = FakePool(script=lambda rid, ids, sp: [0.005, *deltas(rid, toks)])  # (after it waits)
+    nowait, asked, starts, sent = _Nowait(True), [], [], []
+
+    def start_nowait(status: int, headers: Any) -> bool:
+        asked.append(status)
+        return accept
+
+    await asgi_post(make_app(pre, pool), COMPLETIONS,
+                    json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode(), sent,
+                    {BODY_NOWAIT: nowait, START_NOWAIT: start_nowait}, starts)
+    assert asked == [200]
+    if accept:
+        assert starts == [] and len(nowait.chunks) == 9 and len(sent) == 1
+        stream = b"".join(nowait.chunks) + sent[0]
+    else:  # (the task writes the first chunk with what arrived before it ran)
+        assert starts == [200] and 7 <= len(nowait.chunks) <= 8 and len(sent) == 2
+        stream = sent[0] + b"".join(nowait.chunks) + sent[1]
+    evs = events(stream.decode())
+    assert evs[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == "abcdefghij"
 
 
 @pytest.mark.parametrize("accept", [True, False])

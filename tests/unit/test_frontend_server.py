@@ -16,7 +16,7 @@ from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.server import HttpServer, make_server
 from tandem.config import FrontendConfig
-from tests.fakes import FakePool, Hang, one_token_script, write_model_dir
+from tests.fakes import FakePool, Hang, deltas, one_token_script, write_model_dir
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hello!"}]
@@ -86,6 +86,40 @@ async def test_real_server_streams_to_the_sdk(pre: Preprocessor,
     async with httpx.AsyncClient() as c:
         health = await c.get(f"http://127.0.0.1:{server.port}/health")
     assert health.status_code == 200
+
+
+async def test_a_first_token_after_the_task_waits_starts_a_correct_response(
+        pre: Preprocessor, live: tuple[HttpServer, FakePool],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first delta arrives while the response's task waits: on uvicorn the response starts
+    where it arrives (tandem's START_NOWAIT runs uvicorn's own start), on granian through the
+    task. Either way the head, the stream, and the next request on the same connection are right."""
+    from tandem.frontend import limits
+
+    started: list[bool] = []
+    real = limits._start_nowait
+
+    def counted(cycle: object, status: int, headers: object) -> bool:
+        started.append(real(cycle, status, headers))
+        return started[-1]
+
+    monkeypatch.setattr(limits, "_start_nowait", counted)
+    server, pool = live
+    toks = ids_of(pre, "Hello 🙂 world")
+    pool.script = lambda rid, ids, sp: [0.02, *deltas(rid, toks)]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as c:
+        for _ in range(2):  # (one keep-alive connection)
+            async with c.stream("POST", CHAT, json={"messages": USER, "stream": True}) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                body = (await r.aread()).decode()
+            evs = [ln[6:] for ln in body.split("\n") if ln.startswith("data: ")]
+            assert evs[-1] == "[DONE]"
+            text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                           for e in evs[:-1] if json.loads(e)["choices"])
+            assert text == "Hello 🙂 world"
+    assert len(pool.streams) == 2 and pool.aborted == []
+    assert started == ([True, True] if type(server).__name__ == "UvicornServer" else [])
 
 
 async def test_stop_drains_then_cancels_what_is_left(pre: Preprocessor,

@@ -280,6 +280,44 @@ async def test_a_request_placed_and_left_in_the_same_pass_never_reaches_the_work
     assert c.num_in_flight == 0 and c.active_decode_tokens == 0
 
 
+async def test_enter_now_places_at_once_only_when_no_wait_is_needed():
+    """`enter_now` is admission's no-wait path: placed in this pass when the line is empty and a
+    worker has room (entering then only returns it); otherwise nothing is placed, and entering
+    waits in line as before. A handle placed this way is left like an entered one."""
+    pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
+    c = pool.clients[0]
+    first = pool.open([1], SP)
+    assert first.enter_now() and first.placed and c.num_in_flight == 1
+    assert await asyncio.wait_for(first.__aenter__(), 1) is first  # (no second placement)
+    await asyncio.sleep(0)
+    assert generates(c) == [[1]]
+    second = pool.open([2], SP)
+    assert not second.enter_now() and not second.placed  # the worker is full: it must wait
+    waiting = asyncio.create_task(second.__aenter__())
+    await asyncio.sleep(0.01)
+    third = pool.open([3], SP)
+    assert not third.enter_now()  # someone waits: no overtaking the line
+    first.release()
+    first.release()  # (safe twice)
+    await asyncio.wait_for(waiting, 1)
+    await asyncio.sleep(0)
+    assert generates(c) == [[1], [2]] and isinstance(sent(c)[1], Abort)
+    second.release()
+    assert third.enter_now() and c.num_in_flight == 1
+    third.release()
+    await asyncio.sleep(0)
+    assert c.num_in_flight == 0 and pool.num_queued == 0
+
+
+async def test_enter_now_refused_places_nothing_and_entering_says_why():
+    pool = make_pool(["agg"], queue_timeout_s=5)
+    s = pool.open([1], SP)
+    pool.links[0].on_disconnected()
+    assert not s.enter_now() and not s.placed
+    with pytest.raises(errors.Unavailable):
+        await asyncio.wait_for(s.__aenter__(), 1)
+
+
 async def test_waiters_fail_fast_when_the_last_worker_goes_down():
     pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
     await enter(pool, [1])

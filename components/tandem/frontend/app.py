@@ -33,7 +33,7 @@ from tandem.frontend import validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
-from tandem.frontend.limits import BODY_NOWAIT, ON_GONE
+from tandem.frontend.limits import BODY_NOWAIT, ON_GONE, START_NOWAIT
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
@@ -115,8 +115,8 @@ class FrontendApp:
         path: str = scope["path"]
         method: str = scope["method"]
         ext = scope.get("extensions")
-        ex = ResponseWriter(send, ext.get(BODY_NOWAIT), ext.get(ON_GONE)) if ext else \
-            ResponseWriter(send)
+        ex = ResponseWriter(send, ext.get(BODY_NOWAIT), ext.get(ON_GONE),
+                            ext.get(START_NOWAIT)) if ext else ResponseWriter(send)
         t0 = time.monotonic()
         if self._stats is None and self.config.log_stats_interval_s > 0 and not self.draining:
             self._stats = asyncio.ensure_future(log_stats(
@@ -167,6 +167,10 @@ class FrontendApp:
             await ex.error(e)
             m.requests.labels(endpoint, str(ex.status)).inc()
             return None
+        # Placed here when a worker can take it now: its Generate leaves in this loop pass, not
+        # in the next one, after the response task first runs (which enters what is not placed).
+        for h in handles:
+            h.enter_now()
         work = lifecycle.running_loop().create_task(self._respond(job, handles, receive, ex))
         self._work.add(work)
         work.add_done_callback(self._work.discard)
@@ -183,6 +187,8 @@ class FrontendApp:
             if not work.done():  # (this exchange was cancelled while the response ran)
                 work.cancel()
                 await asyncio.wait((work,))
+            for h in handles:  # (a response cancelled before it ran did not leave them)
+                h.release()
             m.requests.labels(endpoint, str(ex.status) if ex.status else "499").inc()
             m.e2e.observe(time.monotonic() - t0)
         return job

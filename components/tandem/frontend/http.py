@@ -128,15 +128,18 @@ class ResponseWriter:
     tandem.frontend.limits.BODY_NOWAIT; None otherwise), writes a body chunk of a started response
     without awaiting. It returns False, having written nothing, when the server cannot take the
     chunk now (a slow client: writing is paused; the client is gone): the caller then awaits
-    `body`, which waits as the server says. The caller checks `gone` first."""
+    `body`, which waits as the server says. The caller checks `gone` first. `start_now` is the same
+    for the response's start (the server's START_NOWAIT)."""
 
-    __slots__ = ("_send", "body_nowait", "on_gone", "status", "finished", "gone")
+    __slots__ = ("_send", "body_nowait", "on_gone", "_start_nowait", "status", "finished", "gone")
 
     def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None,
-                 on_gone: Callable[[Callable[[], None] | None], bool] | None = None):
+                 on_gone: Callable[[Callable[[], None] | None], bool] | None = None,
+                 start_nowait: Callable[[int, Sequence[tuple[bytes, bytes]]], bool] | None = None):
         self._send = send
         self.body_nowait = body_nowait  # the server's own (see the class), if it offers one
         self.on_gone = on_gone  # the server's disconnect callback (see watch_disconnect), if any
+        self._start_nowait = start_nowait
         self.status = 0
         self.finished = False
         self.gone = False
@@ -144,6 +147,25 @@ class ResponseWriter:
     @property
     def started(self) -> bool:
         return self.status != 0
+
+    @property
+    def can_start_now(self) -> bool:
+        """The server offers `start_now` (it may still refuse at the time)."""
+        return self._start_nowait is not None
+
+    def start_now(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        """Start the response without awaiting, when the server offers it and can take it now;
+        False (nothing written): the caller awaits `start`, which waits or fails as it must."""
+        fn = self._start_nowait
+        if fn is None or self.gone or self.status:
+            return False
+        try:
+            if not fn(status, headers):
+                return False
+        except Exception:  # (`start` meets it again, and says the client is gone)
+            return False
+        self.status = status
+        return True
 
     async def _emit(self, message: Message) -> None:
         if self.gone:

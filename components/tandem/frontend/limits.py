@@ -90,6 +90,26 @@ def _body_nowait(cycle: Any, data: bytes) -> bool:
     return True
 
 
+START_NOWAIT = "tandem.start_nowait"  # the scope extension: `fn(status, headers) -> bool`
+
+
+def _start_nowait(cycle: Any, status: int, headers: Any) -> bool:
+    """The response's status line and headers, written now: uvicorn's own `send` of
+    `http.response.start`, run to its end at once (it awaits only while writing is paused, which is
+    refused here), so a response can start where its first chunk is made, without the task. False
+    (nothing written) when writing is paused, the client is gone, or the response started; the
+    caller then uses `send`."""
+    if cycle.flow.write_paused or cycle.disconnected or cycle.response_started:
+        return False
+    step = cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+    try:
+        step.send(None)
+    except StopIteration:
+        return True
+    step.close()  # (it awaited before writing anything: nothing was written)
+    return False
+
+
 ON_GONE = "tandem.on_gone"  # the scope extension: `fn(callback | None) -> bool`, see _on_gone
 
 
@@ -110,13 +130,15 @@ def _forget(cycle: Any) -> None:
     ext = cycle.scope.get("extensions")
     if ext:
         ext.pop(BODY_NOWAIT, None)
+        ext.pop(START_NOWAIT, None)
         ext.pop(ON_GONE, None)
     cycle.tandem_on_gone = None
 
 
 def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the limits above (pass it as `uvicorn.Config(http=)`),
-    offering the app `BODY_NOWAIT` and `ON_GONE` in each request's scope extensions."""
+    offering the app `BODY_NOWAIT`, `START_NOWAIT` and `ON_GONE` in each request's scope
+    extensions."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Guarded(HttpToolsProtocol):
@@ -149,6 +171,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             if cycle is not None:
                 ext: dict[str, Any] = cycle.scope.setdefault("extensions", {})
                 ext[BODY_NOWAIT] = partial(_body_nowait, cycle)
+                ext[START_NOWAIT] = partial(_start_nowait, cycle)
                 ext[ON_GONE] = partial(_on_gone, cycle)
 
         def on_response_complete(self) -> None:

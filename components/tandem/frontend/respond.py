@@ -18,12 +18,14 @@ started, or it is aggregated) and nothing is queued, a delta that is neither a c
 an error is handled at the end of the event loop pass in which it arrived (one callback per pass
 for all responses, `_Pusher`; deltas of one request that arrive in the same pass merge in its
 collector first): fed to its choice and written with the server's `body_nowait`
-(ResponseWriter), which writes at once when the server can take it. Everything else wakes the
-task, which does the same through the same `_Response.one`: the first delta (the response
-starts), a finish, an error, a choice a stop string ended (left by the task), a chunk the server
-cannot take now (a slow client: the server paused writing; the task awaits `send`, while the
-collector merges what arrives meanwhile). Order is kept: push only runs while the task is parked
-with nothing queued.
+(ResponseWriter), which writes at once when the server can take it. A stream's first delta is
+pushed at once, where it arrives, and starts the response with the server's `start_now` (the task
+waits with nothing queued, and would run one loop pass later: at saturation a pass is
+milliseconds). Everything else wakes the task, which does the same through the same
+`_Response.one`: a finish, an error, a choice a stop string ended (left by the task), a chunk the
+server cannot take now (a slow client: the server paused writing; the task awaits `send`, while
+the collector merges what arrives meanwhile), a server without the nowait calls. Order is kept:
+push only runs while the task waits with nothing queued.
 
 The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
 produced: `completion_tokens` is every token received by every
@@ -60,11 +62,16 @@ _encode = msgspec.json.Encoder().encode
 
 
 class Handle(Protocol):
-    """One request on the workers (tandem.router.request.RequestHandle): entering places it,
-    leaving aborts it unless it finished; its deltas arrive in `collector`."""
+    """One request on the workers (tandem.router.request.RequestHandle): entering places it
+    (`enter_now` places it at once when that needs no wait), leaving or `release` aborts it
+    unless it finished (safe twice); its deltas arrive in `collector`."""
 
     rid: str
     collector: DeltaCollector
+
+    def enter_now(self) -> bool: ...
+
+    def release(self) -> None: ...
 
     async def __aenter__(self) -> Any: ...
 
@@ -126,12 +133,20 @@ class _Response:
         self.nowait = w.body_nowait if job.stream else None
 
     def ready(self, i: int) -> None:
-        """Choice `i`'s collector turned non-empty (the collector's listener). What push could
-        not write (a stream not started yet: the first token; a server without body_nowait)
-        wakes the task at once, not one loop pass later through the pusher. (Parked and
-        streamed means started.)"""
+        """Choice `i`'s collector turned non-empty (the collector's listener). A stream's first
+        chunk is made and written here at once, starting the response (`push`, when the server
+        offers START_NOWAIT); later deltas are pushed at the end of the loop pass. What push cannot
+        write (a finish, an error, a server without the nowait calls) wakes the task at once, not
+        one loop pass later through the pusher. (Parked and streamed means started.)"""
         if self.parked and not self.queue and (self.nowait is not None or not self.job.stream):
             _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
+            return
+        waiter = self.waiter
+        if (self.nowait is not None and self.w.can_start_now and not self.w.started
+                and not (self.queue or self.out or self.leaving) and self.crash is None
+                and waiter is not None and not waiter.done() and self.push(i)):
+            if not waiter.done():  # (the task still waits: later deltas are pushed)
+                self.parked = self.w.started
             return
         self.queue.append(i)
         self.wake()
@@ -158,9 +173,10 @@ class _Response:
         return self.states[i].feed(d)
 
     def push(self, i: int) -> bool:
-        """Handle choice `i`'s delta here, without the task (which is parked with nothing
-        queued); False: it is the task's (a finish, a failure). Only marked (`ready`) when its
-        chunks can be written here: streamed with the server's body_nowait, or aggregated."""
+        """Handle choice `i`'s delta here, without the task (which waits with nothing queued);
+        False: it is the task's (a finish, a failure). Only called when its chunks can be written
+        here: streamed with the server's body_nowait (and START_NOWAIT, for the chunk that starts
+        the response), or aggregated."""
         st = self.states[i]
         nowait = self.nowait
         d = self.running[i]()
@@ -174,8 +190,10 @@ class _Response:
             self.crash = e
             self.wake()
             return True
-        if data and (nowait is None or self.w.gone or not nowait(data)):  # not taken now
-            self.out.append(data)  # the task writes it, waiting as the server says
+        w = self.w
+        if data and (nowait is None or w.gone or not (w.started or w.start_now(200, sse.HEADERS))
+                     or not nowait(data)):  # not taken now
+            self.out.append(data)  # the task writes it (starting first), waiting as it must
             self.wake()
         if st.finish is not None:  # a stop string ended it: the task leaves its request
             self.leaving.append(i)
@@ -195,14 +213,14 @@ class _Response:
         for i, h in enumerate(handles):
             h.collector.listen(partial(self.ready, i))
         loop = running_loop()
-        to_start = job.stream
+        stream = job.stream
         left = len(states)
         while left:
             if not queue and not self.leaving and not out:
                 if self.crash is not None:
                     raise self.crash
                 self.waiter = waiter = loop.create_future()
-                self.parked = not to_start
+                self.parked = w.started or not stream
                 try:
                     await waiter
                 finally:
@@ -218,8 +236,7 @@ class _Response:
                 if d is None or st.finish is not None:
                     continue  # (deltas after a stop string: the request is being left)
                 data = self.one(i, d)  # (an error delta raises: the status is still free)
-                if to_start:
-                    to_start = False
+                if stream and not w.started:
                     await w.start(200, sse.HEADERS)
                 if data:
                     out.append(data)
@@ -227,6 +244,8 @@ class _Response:
                     left -= 1
                     await handles[i].__aexit__(None, None, None)  # a stop string: abort
             if left and out:
+                if not w.started:  # (a first chunk push made but could not write)
+                    await w.start(200, sse.HEADERS)
                 data = out[0] if len(out) == 1 else b"".join(out)
                 out.clear()
                 await w.body(data)

@@ -65,11 +65,9 @@ class AdmissionQueue(Generic[R, P]):
     async def admit(self, request: R) -> P:
         """Place `request` now, or wait in line for capacity until the deadline (Unavailable)."""
         t0 = time.monotonic()
-        if not self._waiters:
-            placed = self._place(request)
-            if placed is not None:
-                self.wait.observe(0.0)
-                return placed
+        placed = self.try_admit(request)
+        if placed is not None:
+            return placed
         if len(self._waiters) >= self.max_size:
             self._full.inc()
             raise errors.Unavailable(
@@ -91,6 +89,16 @@ class AdmissionQueue(Generic[R, P]):
             if w in self._waiters:  # cancelled while waiting
                 self._waiters.remove(w)
         self.wait.observe(time.monotonic() - t0)
+        return placed
+
+    def try_admit(self, request: R) -> P | None:
+        """Place `request` now if nobody waits in line and a worker can take it (what `admit`
+        does first); None: it was not placed, and nothing changed."""
+        if self._waiters:
+            return None
+        placed = self._place(request)
+        if placed is not None:
+            self.wait.observe(0.0)
         return placed
 
     def wake(self) -> None:

@@ -259,7 +259,7 @@ class WorkerPool:
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
         return RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
-                             self.requests)
+                             self.requests, self._admission.try_admit)
 
     async def snapshot(self) -> list[dict[str, Any]]:
         loads = await asyncio.gather(*(w.query_load() for w in self.links))

@@ -137,11 +137,12 @@ class Leg(Share):
 
 class RequestHandle:
     __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
-                 "options", "_admit", "_ended", "_timer", "_moving", "_left")
+                 "options", "_admit", "_admit_now", "_ended", "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                  admit: Callable[[RequestHandle], Awaitable[Any]],
-                 options: RequestOptions | None = None) -> None:
+                 options: RequestOptions | None = None,
+                 admit_now: Callable[[RequestHandle], Any] | None = None) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -151,6 +152,7 @@ class RequestHandle:
         self.migrations = 0
         self.options = options if options is not None else _default_options()
         self._admit = admit
+        self._admit_now = admit_now  # admit's no-wait path: placed, or None
         self._ended = False  # iteration returned the last delta
         self._timer: asyncio.TimerHandle | None = None
         self._moving: asyncio.Task[None] | None = None  # placing it again after a lost worker
@@ -171,12 +173,28 @@ class RequestHandle:
         return tuple(leg.link.address for leg in self.legs)
 
     async def __aenter__(self) -> RequestHandle:
-        timeout = self.options.timeout_s
-        if self._timer is None and timeout > 0:
-            self._timer = running_loop().call_later(timeout, self._expire)
+        self._arm()
         if not self.legs:
             await self._admit(self)
         return self
+
+    def enter_now(self) -> bool:
+        """Place the request at once if the pool can without waiting, so that its Generate leaves
+        in this loop pass; entering then only returns it. False: not placed (entering waits in
+        line, or raises why it cannot be placed). Leave it (`release`) like an entered one."""
+        if not self.legs and self._admit_now is not None and not self._left:
+            try:
+                self._admit_now(self)
+            except errors.TandemError:
+                return False  # (entering meets the same refusal, and raises it)
+        if self.legs:
+            self._arm()
+        return bool(self.legs)
+
+    def _arm(self) -> None:
+        timeout = self.options.timeout_s
+        if self._timer is None and timeout > 0 and not self._left:
+            self._timer = running_loop().call_later(timeout, self._expire)
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
