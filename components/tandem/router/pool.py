@@ -177,18 +177,30 @@ class WorkerPool:
             known = [w.info.max_context for w in self.links if w.info is not None]
         return min(known) if known else None
 
-    def _usable(self, role: str) -> bool:
-        return any(self._serves(w) and w.info is not None and w.info.role == role
-                   for w in self.links)
+    def _serving(self) -> dict[str, list[WorkerLink]]:
+        """The workers that may take new requests (`_serves`), by role: one pass over the links
+        (placing a request asks once, not once per role)."""
+        out: dict[str, list[WorkerLink]] = {}
+        for w in self.links:
+            info = w.info
+            if info is not None and self._serves(w):
+                role = out.get(info.role)
+                if role is None:
+                    out[info.role] = [w]
+                else:
+                    role.append(w)
+        return out
 
     def ready(self) -> bool:
         """Ready to serve: a usable aggregated worker, or a usable prefill AND decode worker."""
-        return self._usable("agg") or (self._usable("prefill") and self._usable("decode"))
+        serving = self._serving()
+        return "agg" in serving or ("prefill" in serving and "decode" in serving)
 
-    def _candidates(self, role: str, prompt_ids: list[int]) -> list[WorkerLink]:
+    def _candidates(self, links: list[WorkerLink], prompt_ids: list[int]) -> list[WorkerLink]:
+        """Those of `links` with room for the prompt."""
         n, limits = len(prompt_ids), self.router
-        return [w for w in self.links if self._serves(w) and w.info is not None
-                and w.info.role == role and can_take(limits, w.account, w.info, w.load, n)]
+        return [w for w in links
+                if w.info is not None and can_take(limits, w.account, w.info, w.load, n)]
 
     def _choose(self, role: str, candidates: list[WorkerLink], prompt_ids: list[int]
                 ) -> tuple[WorkerLink, int]:
@@ -201,8 +213,10 @@ class WorkerPool:
         """Start `h` on the workers the policy picks among those that can take it; None if all
         are full. Raises Unavailable when no worker (or pair) is usable at all."""
         ids = h.prompt_ids
-        if self._usable("prefill") and self._usable("decode"):
-            ps, ds = self._candidates("prefill", ids), self._candidates("decode", ids)
+        serving = self._serving()
+        prefill, decode = serving.get("prefill"), serving.get("decode")
+        if prefill and decode:
+            ps, ds = self._candidates(prefill, ids), self._candidates(decode, ids)
             if not ps or not ds:
                 return None
             (p, p_page), (d, d_page) = self._choose("prefill", ps, ids), \
@@ -212,9 +226,10 @@ class WorkerPool:
             self.policy.served("prefill", p, ids, p_page)
             self.policy.served("decode", d, ids, d_page)
             return h
-        if not self._usable("agg"):
+        agg_links = serving.get("agg")
+        if not agg_links:
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        aggs = self._candidates("agg", ids)
+        aggs = self._candidates(agg_links, ids)
         if not aggs:
             return None
         agg, page = self._choose("agg", aggs, ids)
