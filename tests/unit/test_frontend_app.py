@@ -409,18 +409,20 @@ class _Nowait:
 async def test_the_first_chunk_starts_the_response_where_its_delta_arrives(
         pre: Preprocessor, accept: bool) -> None:
     """With the server's start_nowait as well, a first delta that arrives while the response's
-    task waits is pushed too: the response starts through start_nowait (never through `send`)
-    and every chunk but the last goes out through body_nowait. A server that cannot start now
-    (False) leaves the start and that chunk to the task. The client's bytes are the same
-    stream."""
+    task waits is pushed too: the response starts through start_nowait with that chunk (never
+    through `send`), and every later chunk but the last goes out through body_nowait. A server
+    that cannot start now (False) leaves the start and that chunk to the task. The client's bytes
+    are the same stream."""
     from tandem.frontend.limits import BODY_NOWAIT, START_NOWAIT
 
     toks = ids_of(pre, "abcdefghij")
     pool = FakePool(script=lambda rid, ids, sp: [0.005, *deltas(rid, toks)])  # (after it waits)
-    nowait, asked, starts, sent = _Nowait(True), [], [], []
+    nowait, asked, starts, sent, first = _Nowait(True), [], [], [], []
 
-    def start_nowait(status: int, headers: Any) -> bool:
+    def start_nowait(status: int, headers: Any, body: bytes) -> bool:
         asked.append(status)
+        if accept:
+            first.append(body)
         return accept
 
     await asgi_post(make_app(pre, pool), COMPLETIONS,
@@ -428,8 +430,8 @@ async def test_the_first_chunk_starts_the_response_where_its_delta_arrives(
                     {BODY_NOWAIT: nowait, START_NOWAIT: start_nowait}, starts)
     assert asked == [200]
     if accept:
-        assert starts == [] and len(nowait.chunks) == 9 and len(sent) == 1
-        stream = b"".join(nowait.chunks) + sent[0]
+        assert starts == [] and len(first) == 1 and len(nowait.chunks) == 8 and len(sent) == 1
+        stream = first[0] + b"".join(nowait.chunks) + sent[0]
     else:  # (the task writes the first chunk with what arrived before it ran)
         assert starts == [200] and 7 <= len(nowait.chunks) <= 8 and len(sent) == 2
         stream = sent[0] + b"".join(nowait.chunks) + sent[1]

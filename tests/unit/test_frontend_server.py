@@ -92,15 +92,16 @@ async def test_a_first_token_after_the_task_waits_starts_a_correct_response(
         pre: Preprocessor, live: tuple[HttpServer, FakePool],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first delta arrives while the response's task waits: on uvicorn the response starts
-    where it arrives (tandem's START_NOWAIT runs uvicorn's own start), on granian through the
-    task. Either way the head, the stream, and the next request on the same connection are right."""
+    where it arrives, head and first chunk in one write (tandem's START_NOWAIT runs uvicorn's own
+    start), on granian through the task. Either way the head, the stream, and the next request
+    on the same connection are right."""
     from tandem.frontend import limits
 
     started: list[bool] = []
     real = limits._start_nowait
 
-    def counted(cycle: object, status: int, headers: object) -> bool:
-        started.append(real(cycle, status, headers))
+    def counted(cycle: object, status: int, headers: object, body: bytes) -> bool:
+        started.append(real(cycle, status, headers, body))
         return started[-1]
 
     monkeypatch.setattr(limits, "_start_nowait", counted)

@@ -135,7 +135,8 @@ class ResponseWriter:
 
     def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None,
                  on_gone: Callable[[Callable[[], None] | None], bool] | None = None,
-                 start_nowait: Callable[[int, Sequence[tuple[bytes, bytes]]], bool] | None = None):
+                 start_nowait: Callable[[int, Sequence[tuple[bytes, bytes]], bytes], bool]
+                 | None = None):
         self._send = send
         self.body_nowait = body_nowait  # the server's own (see the class), if it offers one
         self.on_gone = on_gone  # the server's disconnect callback (see watch_disconnect), if any
@@ -153,14 +154,15 @@ class ResponseWriter:
         """The server offers `start_now` (it may still refuse at the time)."""
         return self._start_nowait is not None
 
-    def start_now(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-        """Start the response without awaiting, when the server offers it and can take it now;
-        False (nothing written): the caller awaits `start`, which waits or fails as it must."""
+    def start_now(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Start a streamed response with its first body chunk, without awaiting, when the server
+        offers it and can take them now (one write); False (nothing written): the caller awaits
+        `start` and `body`, which wait or fail as they must."""
         fn = self._start_nowait
         if fn is None or self.gone or self.status:
             return False
         try:
-            if not fn(status, headers):
+            if not fn(status, headers, body):
                 return False
         except Exception:  # (`start` meets it again, and says the client is gone)
             return False

@@ -90,24 +90,49 @@ def _body_nowait(cycle: Any, data: bytes) -> bool:
     return True
 
 
-START_NOWAIT = "tandem.start_nowait"  # the scope extension: `fn(status, headers) -> bool`
+START_NOWAIT = "tandem.start_nowait"  # the extension: `fn(status, headers, body) -> bool`
 
 
-def _start_nowait(cycle: Any, status: int, headers: Any) -> bool:
-    """The response's status line and headers, written now: uvicorn's own `send` of
-    `http.response.start`, run to its end at once (it awaits only while writing is paused, which is
-    refused here), so a response can start where its first chunk is made, without the task. False
-    (nothing written) when writing is paused, the client is gone, or the response started; the
-    caller then uses `send`."""
-    if cycle.flow.write_paused or cycle.disconnected or cycle.response_started:
+class _Head:
+    """Stands in for the transport while uvicorn writes a response head: keeps what it writes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+def _start_nowait(cycle: Any, status: int, headers: Any, body: bytes) -> bool:
+    """A streamed response's start and its first body chunk, written now as ONE write (one system
+    call and one read for the client, not two): the head is what uvicorn's own `send` of
+    `http.response.start` makes, run to its end at once (it awaits only while writing is paused,
+    which is refused here) with the transport's place taken for that moment, so that the head
+    joins the chunk. For a chunked response only: `headers` name no length and the request is
+    not a HEAD (uvicorn then always chunks). False (nothing written) when writing is paused, the
+    client is gone, the response started, or it would not be chunked; the caller then uses
+    `send`."""
+    if (cycle.flow.write_paused or cycle.disconnected or cycle.response_started or not body
+            or cycle.scope["method"] == "HEAD" or status in (204, 304)
+            or any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)):
         return False
-    step = cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+    transport, head = cycle.transport, _Head()
+    cycle.transport = head
     try:
-        step.send(None)
-    except StopIteration:
-        return True
-    step.close()  # (it awaited before writing anything: nothing was written)
-    return False
+        step = cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+        try:
+            step.send(None)
+        except StopIteration:
+            pass
+        else:
+            step.close()  # (it awaited before writing anything: nothing was written)
+            return False
+    finally:
+        cycle.transport = transport
+    transport.write(b"%b%x\r\n%b\r\n" % (head.data, len(body), body))
+    return True
 
 
 ON_GONE = "tandem.on_gone"  # the scope extension: `fn(callback | None) -> bool`, see _on_gone

@@ -191,9 +191,9 @@ class _Response:
             self.wake()
             return True
         w = self.w
-        if data and (nowait is None or w.gone or not (w.started or w.start_now(200, sse.HEADERS))
-                     or not nowait(data)):  # not taken now
-            self.out.append(data)  # the task writes it (starting first), waiting as it must
+        if data and (nowait is None or w.gone or not (
+                nowait(data) if w.started else w.start_now(200, sse.HEADERS, data))):
+            self.out.append(data)  # not taken now: the task writes it (starting first), waiting
             self.wake()
         if st.finish is not None:  # a stop string ended it: the task leaves its request
             self.leaving.append(i)
