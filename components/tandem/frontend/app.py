@@ -167,8 +167,9 @@ class FrontendApp:
             await ex.error(e)
             m.requests.labels(endpoint, str(ex.status)).inc()
             return None
-        # Placed here when a worker can take it now: its Generate leaves in this loop pass, not
-        # in the next one, after the response task first runs (which enters what is not placed).
+        # Placed here when a worker can take it now: its Generate leaves with this loop pass's
+        # others, one pass sooner than if the response task placed it when it first runs (that
+        # task enters what is not placed: a request that must wait in line waits there).
         for h in handles:
             h.enter_now()
         work = lifecycle.running_loop().create_task(self._respond(job, handles, receive, ex))

@@ -180,8 +180,9 @@ class RequestHandle:
 
     def enter_now(self) -> bool:
         """Place the request at once if the pool can without waiting, so that its Generate leaves
-        in this loop pass; entering then only returns it. False: not placed (entering waits in
-        line, or raises why it cannot be placed). Leave it (`release`) like an entered one."""
+        with this loop pass's others; entering then only returns it. False: not placed (entering
+        waits in line, or raises why it cannot be placed). Leave it (`release`) like an entered
+        one."""
         if not self.legs and self._admit_now is not None and not self._left:
             try:
                 self._admit_now(self)
