@@ -69,6 +69,23 @@ async def test_a_trickled_head_gets_408(server: HttpServer) -> None:
     w.close()
 
 
+async def test_the_next_request_on_a_kept_alive_connection_has_its_head_deadline(
+        server: HttpServer) -> None:
+    """A head that arrives whole arms no timer; one that does not, on a connection that already
+    served a request, gets its own deadline from its first bytes (408 and close)."""
+    r, w = await connect(server)
+    w.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 2)
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await asyncio.wait_for(r.readexactly(length), 2)
+    w.write(b"GET /health HTTP/1.1\r\n")  # the next request's head never ends
+    w.write(b"x-a: b\r\n")
+    status, _ = await answer(r)
+    assert status == 408
+    w.close()
+
+
 async def test_a_huge_head_gets_431(server: HttpServer) -> None:
     r, w = await connect(server)
     w.write(b"GET /health HTTP/1.1\r\nx-big: " + b"a" * 8192 + b"\r\n")  # and it goes on

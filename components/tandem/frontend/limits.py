@@ -168,6 +168,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
     class Guarded(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _in_head = False  # a request head has begun and not ended
         _head_bytes = 0
 
         def connection_made(self, transport: Any) -> None:
@@ -178,16 +179,20 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._head_timer is None and not self.transport.is_closing() and (
+            if not self._in_head and not self.transport.is_closing() and (
                     self.cycle is None or self.cycle.response_complete):
-                self._arm()  # the first bytes of a next request on a kept-alive connection
-            if self._head_timer is not None:
+                self._in_head, self._head_bytes = True, 0  # a next request on a kept-alive one
+            if self._in_head:
                 self._head_bytes += len(data)
             super().data_received(data)
-            # Still no end of head after this many bytes (a body after a complete head is not
-            # counted: the head's end disarmed the timer).
-            if self._head_timer is not None and self._head_bytes > limits.max_header_bytes:
-                self._refuse(BIG)
+            # Still no end of head after these bytes (a body after a complete head is not
+            # counted: the head's end ended it): too large, or the deadline starts now. A head
+            # that arrives whole, the usual case, never arms a timer.
+            if self._in_head:
+                if self._head_bytes > limits.max_header_bytes:
+                    self._refuse(BIG)
+                elif self._head_timer is None:
+                    self._arm()
 
         def on_headers_complete(self) -> None:
             self._disarm()
@@ -216,10 +221,11 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
                     gone()
 
         def _arm(self) -> None:
-            self._head_bytes = 0
+            self._in_head = True
             self._head_timer = self.loop.call_later(limits.header_timeout_s, self._refuse, SLOW)
 
         def _disarm(self) -> None:
+            self._in_head = False
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
