@@ -141,9 +141,10 @@ class _Response:
         if self.parked and not self.queue and (self.nowait is not None or not self.job.stream):
             _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
             return
+        # (A pending waiter means nothing is queued, out, leaving or crashed: each of those
+        # wakes the task.)
         waiter = self.waiter
         if (self.nowait is not None and self.w.can_start_now and not self.w.started
-                and not (self.queue or self.out or self.leaving) and self.crash is None
                 and waiter is not None and not waiter.done() and self.push(i)):
             if not waiter.done():  # (the task still waits: later deltas are pushed)
                 self.parked = self.w.started
