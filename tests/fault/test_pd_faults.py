@@ -7,6 +7,7 @@ worker's pages are all free once idle."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -163,15 +164,16 @@ async def _send_direct(address: str, msg: Generate, timeout: float) -> wire.Delt
     sock = transport.dealer(address, b"test-frontend")
     try:
         transport.send_nowait(sock, wire.Generates([msg]))
-        while True:
-            parts = await asyncio.wait_for(sock.recv_multipart(), timeout)
-            reply = wire.TO_FRONTEND.decode(parts[0], parts[1])
-            if isinstance(reply, Deltas):
-                for d in reply.items:
-                    if d.finish_reason is not None:
-                        return d
+        replies = transport.dealer_messages(sock, wire.TO_FRONTEND, logging.getLogger("test"))
+        async with asyncio.timeout(timeout):
+            async for reply in replies:
+                if isinstance(reply, Deltas):
+                    for d in reply.items:
+                        if d.finish_reason is not None:
+                            return d
+        raise AssertionError("unreachable: the replies never end")
     finally:
-        sock.close(linger=0)
+        transport.close(sock)
 
 
 def test_room_that_never_gets_its_bootstrap_message(tiny_model, tmp_path):

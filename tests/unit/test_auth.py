@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import zmq
-import zmq.asyncio
 
 from tandem.runtime import auth, transport, wire
 
@@ -31,14 +31,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _roundtrip(server: zmq.asyncio.Socket, client: zmq.asyncio.Socket,
+async def _roundtrip(server: transport.Socket, client: transport.Socket,
                      timeout: float = 1.5) -> wire.ToWorker | None:
     transport.send_nowait(client, wire.LoadQuery(7))
+    messages = transport.router_messages(server, wire.TO_WORKER, logging.getLogger("test"))
     try:
-        parts = await asyncio.wait_for(server.recv_multipart(), timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):
+            async for _, msg in messages:
+                return msg
+    except TimeoutError:
         return None
-    return wire.TO_WORKER.decode(parts[1], parts[2])
+    finally:
+        await messages.aclose()
+    raise AssertionError("unreachable: the messages never end")
 
 
 async def test_cluster_key_holders_talk(keys_dir):
@@ -77,7 +82,7 @@ async def test_wrong_key_gets_nothing_through(keys_dir, tmp_path):
     # A client that knows the server's PUBLIC key but holds another key pair: the handshake
     # succeeds cryptographically, and the ZAP handler must still refuse it.
     ctx = transport.context()
-    client = ctx.socket(zmq.DEALER)
+    client = ctx.socket(zmq.DEALER, socket_class=transport.Socket)
     client.setsockopt(zmq.LINGER, 0)
     client.curve_secretkey = other.secret
     client.curve_publickey = other.public

@@ -62,7 +62,7 @@ class _Pending:
 @dataclass(eq=False)
 class _Conn:
     address: str
-    sock: zmq.asyncio.Socket
+    sock: transport.Socket
     hello: asyncio.Future[KvHelloReply]
     rooms: dict[int, _Pending] = field(default_factory=dict)
     dead: bool = False

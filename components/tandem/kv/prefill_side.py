@@ -74,7 +74,7 @@ class PrefillSide:
         self.advertise_host = advertise_host or host  # what decode workers connect to
         self.room_timeout_s = room_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: transport.Socket | None = None
         self._peers: dict[bytes, _Peer] = {}
         self._layouts: dict[bytes, KvLayout] = {}
         self._hellos: set[bytes] = set()  # peers whose KvHello is being added, off the loop

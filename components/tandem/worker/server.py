@@ -77,7 +77,7 @@ class WorkerServer:
         spec = getattr(engine, "spec", None)
         self.limits = Limits(getattr(spec, "vocab_size", 0) or 0,
                              getattr(spec, "max_context", 0) or 0)
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: transport.Socket | None = None
         self._requests: dict[str, _Request] = {}
         self._draining = False
         self._progress = asyncio.Event()  # while draining: a request ended or a delta left

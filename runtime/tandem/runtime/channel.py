@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from tandem.runtime import transport, wire
 
@@ -83,7 +82,7 @@ class ZmqChannel(Generic[T, U]):
         return transport.dealer_messages(self._sock, self._decoder, self._log)
 
     def unread(self) -> bool:
-        return not self._sock.closed and bool(int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
+        return transport.readable(self._sock)
 
     def disconnects(self) -> AsyncIterator[None]:
         return transport.disconnects(self._sock)
