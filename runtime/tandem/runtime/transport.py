@@ -262,7 +262,7 @@ def refused(socket: str, what: str, log: logging.Logger, detail: object = "") ->
 
 
 async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger,
-                    frames: int) -> AsyncIterator[tuple[list[bytes], M]]:
+                    frames: int) -> AsyncGenerator[tuple[list[bytes], M], None]:
     """Every message with `frames` frames (the last two: type byte, payload), fairly: bad ones are
     counted, logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages.
     Ends with ZMQError (ENOTSOCK) once the socket is closed."""
