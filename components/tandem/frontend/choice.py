@@ -54,7 +54,10 @@ class GenerationJob:
     @property
     def prompt_tokens(self) -> int:
         """Every prompt counted once, however many choices it has (as vLLM does)."""
-        seen = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
+        choices = self.choices
+        if len(choices) == 1:  # (the usual request: once for metrics, usage and the access log)
+            return len(choices[0].prompt_ids)
+        seen = {c.prompt_index: len(c.prompt_ids) for c in choices}
         return sum(seen.values())
 
 
