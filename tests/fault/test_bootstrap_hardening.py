@@ -212,3 +212,33 @@ async def test_pages_that_come_after_their_prefill_failed_are_answered_at_once(p
     assert isinstance(done, KvDone) and done.room == 55 and not done.ok
     assert "aborted" in done.error
     d.close()
+
+
+async def test_a_pass_of_rooms_is_checked_room_by_room_and_its_dones_come_in_one(prefill) -> None:
+    """KvRooms (a decode worker's loop pass of rooms) binds each good room as if it came alone
+    and refuses each bad one; the writes the prefill side ends in one loop pass are answered in
+    one KvDones. A KvRooms past the room cap is refused whole, and counted."""
+    side, _, address = prefill
+    d = Decode(address, b"decode-batch")
+    assert (await d.hello(num_pages=8)).ok
+    await d.send(wire.KvRooms([KvRoom(61, [1, 2]), KvRoom(62, [9]), KvRoom(63, [3])]))
+    refused = await d.recv()
+    assert isinstance(refused, KvDone) and refused.room == 62 and not refused.ok
+    a, b = await asyncio.wait_for(asyncio.gather(side.wait_room(61), side.wait_room(63)), 5)
+    assert (a.pages, b.pages) == ([1, 2], [3])
+    writes = [side.send(61, a, [5, 6], 11), side.send(63, b, [7], 12)]  # (in one loop pass)
+    assert await asyncio.gather(*writes) == [None, None]
+    dones = await d.recv()
+    assert isinstance(dones, wire.KvDones)
+    assert [(x.room, x.ok, x.first_token) for x in dones.items] == [(61, True, 11), (63, True, 12)]
+    before = transport.protocol_errors[("bootstrap", "too many rooms in one message")]
+    from tandem.kv.prefill_side import MAX_ROOMS
+    await d.send(wire.KvRooms([KvRoom(100 + i, [1]) for i in range(MAX_ROOMS + 1)]))
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if transport.protocol_errors[("bootstrap", "too many rooms in one message")] > before:
+            break
+    assert transport.protocol_errors[("bootstrap", "too many rooms in one message")] == before + 1
+    with pytest.raises(asyncio.TimeoutError):  # none of its rooms was bound
+        await asyncio.wait_for(asyncio.shield(side.wait_room(100)), 0.2)
+    d.close()

@@ -7,7 +7,9 @@ a DEALER to it and, once per peer, sends `KvHello` (its transfer agent's metadat
 Per request (`room`) the decode side reserves pages and sends `KvRoom(room, pages)`; the prefill
 side computes the prompt's KV, WRITEs it into those pages with the mover (NIXL, or a simulation
 for the mock engine), and answers `KvDone(room, ok, first_token)` — only after its write has
-ended, so a `KvDone` of either kind means no more bytes will land in those pages.
+ended, so a `KvDone` of either kind means no more bytes will land in those pages. Each side sends
+what one loop pass produced for one peer as one message (`KvRooms`, `KvDones`; a lone one as
+itself), in order: a burst of requests costs a few ZMQ sends, not one or two per request.
 
 Page safety on the decode side: `DecodeSide.fetch` owns the reserved pages until it returns the
 first token. On any failure (timeout, cancellation, prefill gone) it calls `release()` exactly once
@@ -36,9 +38,11 @@ from tandem.runtime.wire import (
     Bootstrap,
     KvCancel,
     KvDone,
+    KvDones,
     KvHello,
     KvHelloReply,
     KvRoom,
+    KvRooms,
     TokenLogprobs,
 )
 
@@ -67,6 +71,7 @@ class _Conn:
     rooms: dict[int, _Pending] = field(default_factory=dict)
     dead: bool = False
     watch: asyncio.Task[None] | None = None  # _watch: its disconnect monitor's reader
+    out: list[KvRoom | KvCancel] = field(default_factory=list)  # this loop pass's, in order
 
 
 class DecodeSide:
@@ -104,12 +109,12 @@ class DecodeSide:
         done_fut: asyncio.Future[KvDone] = asyncio.get_running_loop().create_future()
         pending = _Pending(done_fut, release)
         conn.rooms[bootstrap.room] = pending
-        self._send(conn, KvRoom(bootstrap.room, pages))
+        self._queue(conn, KvRoom(bootstrap.room, pages))
         try:
             done = await asyncio.wait_for(asyncio.shield(done_fut), self.done_timeout_s)
         except BaseException as e:
             # The prefill side may still be writing into `pages`: quarantine them.
-            self._send(conn, KvCancel(bootstrap.room))
+            self._queue(conn, KvCancel(bootstrap.room))  # (after its KvRoom, if that waits)
             self._tasks.spawn(self._quarantine(conn, bootstrap.room, pending))
             if isinstance(e, asyncio.TimeoutError):
                 raise KvHandoffError(f"room {bootstrap.room}: no KV from {conn.address} within "
@@ -132,6 +137,30 @@ class DecodeSide:
             conn.rooms.pop(room, None)
             pending.release()
 
+    def _queue(self, conn: _Conn, msg: KvRoom | KvCancel) -> None:
+        """Send with the others of this loop pass to the same prefill worker (`_flush`)."""
+        if conn.dead:
+            return
+        if not conn.out:
+            asyncio.get_running_loop().call_soon(self._flush, conn)
+        conn.out.append(msg)
+
+    def _flush(self, conn: _Conn) -> None:
+        """This pass's messages to `conn`, in order: each run of KvRooms as one message."""
+        out, conn.out = conn.out, []
+        if conn.dead:
+            return
+        rooms: list[KvRoom] = []
+        for msg in (*out, None):
+            if isinstance(msg, KvRoom):
+                rooms.append(msg)
+                continue
+            if rooms:
+                self._send(conn, rooms[0] if len(rooms) == 1 else KvRooms(rooms))
+                rooms = []
+            if msg is not None:
+                self._send(conn, msg)
+
     def _send(self, conn: _Conn, msg: wire._Tagged) -> None:
         try:
             transport.send_nowait(conn.sock, msg)
@@ -149,12 +178,15 @@ class DecodeSide:
             conn.watch = self._tasks.spawn(self._watch(conn), name=f"kv-watch {address}")
             self._send(conn, KvHello(wire.PROTOCOL_VERSION, self.name, self.mover.metadata(),
                                      self.mover.kv_layout()))
-        try:
-            reply = await asyncio.wait_for(asyncio.shield(conn.hello), HELLO_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            self._drop(conn, "no bootstrap hello reply")
-            raise KvHandoffError(f"prefill bootstrap {address} did not answer within "
-                                 f"{HELLO_TIMEOUT_S:.0f}s") from None
+        if conn.hello.done():  # The usual case: no wait (which, in 3.11's wait_for, would also
+            reply = conn.hello.result()  # swallow a cancel made during its one loop pass).
+        else:
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(conn.hello), HELLO_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._drop(conn, "no bootstrap hello reply")
+                raise KvHandoffError(f"prefill bootstrap {address} did not answer within "
+                                     f"{HELLO_TIMEOUT_S:.0f}s") from None
         if not reply.ok:
             raise KvHandoffError(f"prefill bootstrap {address} refused us: {reply.error}")
         return conn
@@ -180,12 +212,14 @@ class DecodeSide:
     async def _recv_loop(self, conn: _Conn) -> None:
         try:
             async for msg in transport.dealer_messages(conn.sock, wire.TO_DECODE, log):
-                if isinstance(msg, KvDone):
-                    p = conn.rooms.get(msg.room)
+                if isinstance(msg, KvHelloReply):
+                    if not conn.hello.done():
+                        conn.hello.set_result(msg)
+                    continue
+                for done in msg.items if isinstance(msg, KvDones) else (msg,):
+                    p = conn.rooms.get(done.room)
                     if p is not None and not p.fut.done():
-                        p.fut.set_result(msg)
-                elif isinstance(msg, KvHelloReply) and not conn.hello.done():
-                    conn.hello.set_result(msg)
+                        p.fut.set_result(done)
         except zmq.ZMQError:
             return  # the socket was closed: the connection was dropped
         except Exception as e:  # cannot happen by design; if it does, this connection is done:

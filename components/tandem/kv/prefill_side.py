@@ -30,7 +30,7 @@ from tandem.runtime import transport, wire
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
-    KvCancel, KvDone, KvHello, KvHelloReply, KvLayout, KvRoom, TokenLogprobs,
+    KvCancel, KvDone, KvDones, KvHello, KvHelloReply, KvLayout, KvRoom, KvRooms, TokenLogprobs,
 )
 
 log = logging.getLogger("tandem.kv")
@@ -38,6 +38,7 @@ log = logging.getLogger("tandem.kv")
 MAX_PEERS = 256  # decode peers a prefill worker knows at once (idle ones make room for new ones)
 MAX_PENDING_HELLOS = 8
 MAX_ROOMS = 1 << 16  # rooms waiting for their request or their pages
+MAX_BATCH = 4096  # KvDones items in one message (a loop pass's for one peer may take several)
 
 __all__ = ["Destination", "PrefillSide"]
 
@@ -80,6 +81,7 @@ class PrefillSide:
         self._hellos: set[bytes] = set()  # peers whose KvHello is being added, off the loop
         self._hello_lock = asyncio.Lock()  # one peer added at a time
         self._rooms: dict[int, _Room] = {}
+        self._dones: dict[bytes, list[KvDone]] = {}  # this loop pass's, per peer (`_flush_dones`)
         self._loops = TaskGroup(supervised=True)  # the socket's loops: a death is fatal
         self._tasks = TaskGroup()  # writes and hellos
 
@@ -96,6 +98,7 @@ class PrefillSide:
         await self._loops.close()
         await self._tasks.close()
         if self._sock is not None:
+            self._flush_dones()  # (what this pass ended is said before the socket goes)
             self._sock.close(linger=0)
         self.mover.close()
 
@@ -111,6 +114,8 @@ class PrefillSide:
         """Where the decode side wants this room's KV (deadline: room_timeout_s)."""
         r = self._room(room)
         r.failed = ""  # (a request for the room again: it is no longer failed)
+        if r.fut.done() and not r.fut.cancelled():  # the pages came first: no wait
+            return r.fut.result()  # (or the KvHandoffError of a cancel by the decode side)
         try:
             return await asyncio.wait_for(asyncio.shield(r.fut), self.room_timeout_s)
         except asyncio.TimeoutError:
@@ -161,7 +166,19 @@ class PrefillSide:
             self._room(room).failed = error or "the prefill failed"
 
     def _done(self, dest: Destination, msg: KvDone) -> None:
-        self._reply(dest.ident, msg)
+        """Tell the decode side a room ended: with the others of this loop pass for that peer, in
+        one message (a burst's prefills end together; a send per room would wake ZMQ's I/O thread
+        for each)."""
+        if not self._dones:
+            asyncio.get_running_loop().call_soon(self._flush_dones)
+        self._dones.setdefault(dest.ident, []).append(msg)
+
+    def _flush_dones(self) -> None:
+        dones, self._dones = self._dones, {}
+        for ident, items in dones.items():
+            for i in range(0, len(items), MAX_BATCH):
+                batch = items[i:i + MAX_BATCH]
+                self._reply(ident, batch[0] if len(batch) == 1 else KvDones(batch))
 
     def _reply(self, ident: bytes, msg: wire._Tagged) -> None:
         """Send to a decode peer; one that is gone (EHOSTUNREACH) or not reading (EAGAIN past the
@@ -191,6 +208,12 @@ class PrefillSide:
             peer.last_heard = time.monotonic()
         if isinstance(msg, KvRoom):
             self._on_room(ident, msg)
+        elif isinstance(msg, KvRooms):
+            if len(msg.items) > MAX_ROOMS:
+                return transport.refused("bootstrap", "too many rooms in one message", log,
+                                         len(msg.items))
+            for room in msg.items:  # (each checked as if it came alone)
+                self._on_room(ident, room)
         elif isinstance(msg, KvCancel):
             r = self._rooms.get(msg.room)
             if r is None:

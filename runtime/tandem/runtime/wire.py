@@ -21,8 +21,9 @@ import msgspec
 
 # 3: tagged unions per receiver, ErrorKind on deltas. 4: penalties, logit_bias, min_p, logprobs and
 # constrained output in SamplingParams, logprobs on deltas and KvDone (a version-3 peer would drop
-# them silently: the handshake refuses it instead).
-PROTOCOL_VERSION = 4
+# them silently: the handshake refuses it instead). 5: KvRooms and KvDones (a bootstrap socket's
+# messages of one loop pass, in one).
+PROTOCOL_VERSION = 5
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -289,8 +290,20 @@ class KvDone(_Tagged, tag=20):
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]
 ToFrontend = Union[HelloReply, Deltas, LoadReport]
-ToPrefill = Union[KvHello, KvRoom, KvCancel]
-ToDecode = Union[KvHelloReply, KvDone]
+class KvRooms(_Tagged, tag=21):
+    """The rooms a decode worker asked one prefill worker for in one event loop pass, in order."""
+
+    items: list[KvRoom]
+
+
+class KvDones(_Tagged, tag=22):
+    """The rooms a prefill worker finished for one decode worker in one event loop pass."""
+
+    items: list[KvDone]
+
+
+ToPrefill = Union[KvHello, KvRoom, KvRooms, KvCancel]
+ToDecode = Union[KvHelloReply, KvDone, KvDones]
 
 
 class ProtocolError(Exception):
@@ -331,7 +344,7 @@ class Decoder(Generic[M]):
 _TAG_BYTES: dict[type, bytes] = {
     c: bytes([int(c.__struct_config__.tag)])  # type: ignore[arg-type]
     for c in (Hello, Generates, Abort, LoadQuery, Credit, HelloReply, Deltas, LoadReport,
-              KvHello, KvRoom, KvCancel, KvHelloReply, KvDone)
+              KvHello, KvRoom, KvRooms, KvCancel, KvHelloReply, KvDone, KvDones)
 }
 
 TO_WORKER: Decoder[ToWorker] = Decoder(ToWorker, "worker")
