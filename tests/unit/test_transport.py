@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -44,35 +45,34 @@ async def _waiting(loop_of: asyncio.Future[object]) -> None:
     assert not loop_of.done()
 
 
-async def test_a_send_that_takes_the_signal_does_not_strand_a_waiting_receive(pair) -> None:
-    router, dealer = pair
+async def _reply_lands_while_the_loop_waits(router: transport.Socket, dealer: transport.Socket,
+                                           seq: int) -> tuple[Any, asyncio.Future[Any]]:
+    """The dealer's receive loop waits; a reply reaches its pipe and its descriptor signals, but
+    the event loop does not run (a blocking sleep), so nothing has read the signal yet."""
     await _connected(router, dealer)
     messages = transport.dealer_messages(dealer, wire.TO_FRONTEND, log)
     first = asyncio.ensure_future(messages.__anext__())
     await _waiting(first)
-    transport.send_nowait(router, wire.LoadReport(1, wire.Load(0, 0, 0, 0)), b"d")
-    # The reply reaches the dealer's pipe and its descriptor signals, but the loop does not run
-    # (a blocking sleep); then the dealer sends, and libzmq's send takes that signal.
+    transport.send_nowait(router, wire.LoadReport(seq, wire.Load(0, 0, 0, 0)), b"d")
     time.sleep(0.2)
-    transport.send_nowait(dealer, wire.LoadQuery(2))
+    return messages, first
+
+
+async def test_a_send_that_takes_the_signal_does_not_strand_a_waiting_receive(pair) -> None:
+    messages, first = await _reply_lands_while_the_loop_waits(*pair, 1)
+    transport.send_nowait(pair[1], wire.LoadQuery(2))  # libzmq's send takes the signal
     async with asyncio.timeout(2):  # without the re-check after the send, it never wakes
         assert await first == wire.LoadReport(1, wire.Load(0, 0, 0, 0))
     await messages.aclose()
 
 
 async def test_asking_whether_a_message_waits_wakes_a_waiting_receive(pair) -> None:
-    router, dealer = pair
-    await _connected(router, dealer)
-    messages = transport.dealer_messages(dealer, wire.TO_FRONTEND, log)
-    first = asyncio.ensure_future(messages.__anext__())
-    await _waiting(first)
-    transport.send_nowait(router, wire.LoadReport(3, wire.Load(0, 0, 0, 0)), b"d")
-    time.sleep(0.2)
-    assert transport.readable(dealer)  # (the query takes the signal)
+    messages, first = await _reply_lands_while_the_loop_waits(*pair, 3)
+    assert transport.readable(pair[1])  # (the query takes the signal)
     async with asyncio.timeout(2):
-        assert (await first).seq == 3  # type: ignore[union-attr]
+        assert (await first).seq == 3
     await messages.aclose()
-    assert not transport.readable(dealer)
+    assert not transport.readable(pair[1])
 
 
 async def test_closing_a_socket_ends_its_waiting_receive(pair) -> None:
