@@ -91,3 +91,24 @@ async def test_a_cancel_in_the_same_pass_follows_its_room(sides) -> None:
     assert msg == KvCancel(9)
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_long_run_of_rooms_is_cut_at_the_batch_cap(sides, monkeypatch) -> None:
+    from tandem.kv import handoff
+    monkeypatch.setattr(handoff, "MAX_BATCH", 2)
+    prefill, decode = sides
+
+    def fetch(room: int) -> asyncio.Task[object]:
+        return asyncio.create_task(decode.fetch(Bootstrap("127.0.0.1", prefill.port, room),
+                                                [room], lambda: None))
+
+    first = fetch(1)
+    ident = await prefill.accept()
+    assert await prefill.recv() == (ident, KvRoom(1, [1]))
+    more = [fetch(r) for r in (2, 3, 4, 5, 6)]
+    got = [(await prefill.recv())[1] for _ in range(3)]
+    assert got == [wire.KvRooms([KvRoom(2, [2]), KvRoom(3, [3])]),
+                   wire.KvRooms([KvRoom(4, [4]), KvRoom(5, [5])]), KvRoom(6, [6])]
+    await prefill.send(ident, wire.KvDones([KvDone(r, True, r) for r in range(1, 7)]))
+    assert await asyncio.wait_for(asyncio.gather(first, *more), 5) == [(r, None)
+                                                                       for r in range(1, 7)]

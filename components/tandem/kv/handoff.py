@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from tandem.kv.movers import KvMover
-from tandem.kv.prefill_side import Destination, PrefillSide
+from tandem.kv.prefill_side import MAX_BATCH, Destination, PrefillSide
 from tandem.runtime import wire, transport
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
@@ -100,7 +100,8 @@ class DecodeSide:
     async def fetch(self, bootstrap: Bootstrap, pages: list[int],
                     release: Callable[[], None]) -> tuple[int, TokenLogprobs | None]:
         """Ask the prefill side for the room's KV in `pages`; return the first token (and its
-        logprobs, when the request asked for them) once the KV is in place. On failure raise KvHandoffError and call `release()` once pages are safe."""
+        logprobs, when the request asked for them) once the KV is in place. On failure raise
+        KvHandoffError and call `release()` once pages are safe."""
         try:
             conn = await self._connect(bootstrap)
         except BaseException:
@@ -152,13 +153,15 @@ class DecodeSide:
             return
         rooms: list[KvRoom] = []
         for msg in (*out, None):
-            if isinstance(msg, KvRoom):
+            if isinstance(msg, KvRoom) and len(rooms) < MAX_BATCH:
                 rooms.append(msg)
                 continue
             if rooms:
                 self._send(conn, rooms[0] if len(rooms) == 1 else KvRooms(rooms))
                 rooms = []
-            if msg is not None:
+            if isinstance(msg, KvRoom):  # (a run past MAX_BATCH: the next message starts)
+                rooms = [msg]
+            elif msg is not None:
                 self._send(conn, msg)
 
     def _send(self, conn: _Conn, msg: wire._Tagged) -> None:

@@ -38,7 +38,7 @@ log = logging.getLogger("tandem.kv")
 MAX_PEERS = 256  # decode peers a prefill worker knows at once (idle ones make room for new ones)
 MAX_PENDING_HELLOS = 8
 MAX_ROOMS = 1 << 16  # rooms waiting for their request or their pages
-MAX_BATCH = 4096  # KvDones items in one message (a loop pass's for one peer may take several)
+MAX_BATCH = 4096  # KvRooms or KvDones items in one message (a pass's for one peer may take more)
 
 __all__ = ["Destination", "PrefillSide"]
 

@@ -13,11 +13,12 @@ Sockets are driven here, not by pyzmq's asyncio layer (`Socket`): a send is one 
 per frame, and a receive loop reads every message already queued with non-blocking calls and
 waits on the socket's file descriptor only when none is. pyzmq's asyncio socket makes a future,
 flag enums and event checks for every message: a Credit sent and received cost 36.9 us of CPU on
-this machine through it, 7.9 through this module (perf/bench_zmq_io.py, perf/results/zmq_io.md). ZMQ's descriptor is edge-triggered: it signals once when the
-socket's state may have changed, and any call on the socket (a send, a ZMQ_EVENTS query) may take
-that signal. So a receive loop checks ZMQ_EVENTS before it waits, the descriptor's callback always
-queries it (which also clears the signal), and a send, or a query, while the loop waits re-checks
-readiness (once per loop pass for sends). Monitor sockets (`disconnects`) are rare and stay on
+this machine through it, 7.9 through this module (perf/bench_zmq_io.py, perf/results/zmq_io.md).
+ZMQ's descriptor is edge-triggered: it signals once when the socket's state may have changed, and
+any call on the socket (a send, a ZMQ_EVENTS query) may take that signal. So a receive loop checks
+ZMQ_EVENTS before it waits, the descriptor's callback always queries it (which also clears the
+signal), and a send, or a query, made while the loop waits re-checks readiness (once per loop pass
+for sends). Monitor sockets (`disconnects`) are rare and stay on
 pyzmq's asyncio layer, over the same libzmq context.
 """
 
@@ -158,11 +159,6 @@ async def disconnects(sock: Socket) -> AsyncGenerator[None, None]:
         mon.close(linger=0)
 
 
-def frames(msg: wire._Tagged, identity: bytes | None = None) -> list[bytes]:
-    t, payload = wire.encode(msg)
-    return [identity, t, payload] if identity is not None else [t, payload]
-
-
 def send_nowait(sock: Socket, msg: wire._Tagged, identity: bytes | None = None) -> None:
     """Queue a message without waiting: ZMQ keeps order; past the high-water mark this raises
     zmq.Again rather than growing memory without bound, an unroutable identity raises
@@ -234,7 +230,7 @@ def _recv(sock: Socket) -> list[bytes]:
     parts: list[bytes] = [_raw_recv(sock, _NOBLOCK)]
     while _raw_get(sock, _RCVMORE):
         frame = _raw_recv(sock, _NOBLOCK)  # (the rest of a message is there: it came whole)
-        if len(parts) <= MAX_FRAMES:
+        if len(parts) < MAX_FRAMES:
             parts.append(frame)
     return parts
 
