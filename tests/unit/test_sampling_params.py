@@ -118,3 +118,24 @@ def test_own_engines_refuse_constrained_output_and_uncarried_pd_logprobs() -> No
     assert e.value.param == "logprobs"
     check_request([1], W.SamplingParams(logprobs=0), spec, carries_logprobs=True)
     check_request([1], W.SamplingParams(), spec, carries_logprobs=False)
+
+
+def test_check_request_remembers_only_what_it_found_valid() -> None:
+    """Parameters are checked once per distinct valid set and vocabulary; anything different is
+    checked again (a bad value after a good one, the same one with a smaller vocabulary, a
+    logit_bias, which is never remembered)."""
+    good = W.SamplingParams(max_tokens=9, top_p=0.5, presence_penalty=1.0)
+    spec = ModelSpec("m", 64, vocab_size=100)
+    for _ in range(2):
+        check_request([1], good, spec)
+    for bad in (msgspec.structs.replace(good, top_p=0.0),
+                msgspec.structs.replace(good, presence_penalty=2.5)):
+        with pytest.raises(EngineRequestError):
+            check_request([1], bad, spec)
+    biased = msgspec.structs.replace(good, logit_bias={99: 1.0})
+    check_request([1], biased, spec)
+    with pytest.raises(EngineRequestError) as e:
+        check_request([1], biased, ModelSpec("m", 64, vocab_size=50))
+    assert e.value.param == "logit_bias"
+    with pytest.raises(EngineRequestError):  # (max_tokens 0: invalid, whatever was seen)
+        check_request([1], msgspec.structs.replace(good, max_tokens=0), spec)

@@ -35,7 +35,16 @@ def check_request(prompt: list[int], p: SamplingParams, spec: ModelSpec,
     if len(prompt) >= spec.max_context:
         raise EngineRequestError(f"prompt has {len(prompt)} tokens; this model's context is "
                                  f"{spec.max_context} tokens")
-    check_sampling(p, spec.vocab_size)
+    try:  # (parameters repeat: each distinct valid set is checked once per vocabulary)
+        known = (p, spec.vocab_size) in _VALID
+    except TypeError:  # a dict inside (logit_bias): not hashable, checked every time
+        known = False
+    if not known:
+        check_sampling(p, spec.vocab_size)
+        if p.logit_bias is None:
+            if len(_VALID) >= 256:
+                _VALID.clear()
+            _VALID[(p, spec.vocab_size)] = None
     for name in ("json_schema", "regex"):
         if getattr(p, name) is not None:
             raise _refuse(f"{name} (constrained output) is not supported by this engine; "
@@ -43,6 +52,24 @@ def check_request(prompt: list[int], p: SamplingParams, spec: ModelSpec,
     if p.logprobs is not None and not carries_logprobs:
         raise _refuse("logprobs: this worker's KV handoff cannot carry the first token's "
                       "logprobs", "logprobs")
+
+
+_VALID: dict[tuple[SamplingParams, int], None] = {}  # sampling parameters found valid
+_STOPS: dict[tuple[tuple[int, ...], bool, tuple[int, ...]], frozenset[int]] = {}
+
+
+def stop_ids(p: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The ids that end a request: its stop ids, and EOS unless it ignores it (remembered per
+    distinct set: requests repeat them)."""
+    key = (p.stop_token_ids, p.ignore_eos, eos_token_ids)
+    stop = _STOPS.get(key)
+    if stop is None:
+        stop = frozenset(p.stop_token_ids if p.ignore_eos else
+                         (*p.stop_token_ids, *eos_token_ids))
+        if len(_STOPS) >= 256:
+            _STOPS.clear()
+        _STOPS[key] = stop
+    return stop
 
 
 def check_sampling(p: SamplingParams, vocab_size: int = 0) -> None:

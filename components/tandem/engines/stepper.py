@@ -31,7 +31,7 @@ from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineReques
                                  EngineRequestError, OutputSink)
 from tandem.engines.outputs import Items, Step, deliver, make_output, step_rare
 from tandem.engines.pd import Handoff, HandoffSpec
-from tandem.engines.sampling import adjusts_logits, check_request
+from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
 from tandem.kv.pages import PagePool
 from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
@@ -111,11 +111,9 @@ class Stepper(Engine):
             raise EngineRequestError(
                 f"{max_total} tokens need {self.pool.pages_for(max_total)} KV pages; "
                 f"this engine has {self.num_pages}")
-        stop = set(req.sampling.stop_token_ids)
-        if not req.sampling.ignore_eos:
-            stop.update(self.spec.eos_token_ids)
         return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
-                        max_total=max_total, stop_ids=frozenset(stop),
+                        max_total=max_total, stop_ids=stop_ids(req.sampling,
+                                                               self.spec.eos_token_ids),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
                         bootstrap=req.bootstrap, resume=req.resume_offset,
                         logprobs=None if req.sampling.logprobs is None else [],
