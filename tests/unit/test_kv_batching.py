@@ -94,8 +94,8 @@ async def test_a_cancel_in_the_same_pass_follows_its_room(sides) -> None:
 
 
 async def test_a_long_run_of_rooms_is_cut_at_the_batch_cap(sides, monkeypatch) -> None:
-    from tandem.kv import handoff
-    monkeypatch.setattr(handoff, "MAX_BATCH", 2)
+    from tandem.kv import prefill_side
+    monkeypatch.setattr(prefill_side, "MAX_BATCH", 2)
     prefill, decode = sides
 
     def fetch(room: int) -> asyncio.Task[object]:

@@ -35,16 +35,10 @@ def check_request(prompt: list[int], p: SamplingParams, spec: ModelSpec,
     if len(prompt) >= spec.max_context:
         raise EngineRequestError(f"prompt has {len(prompt)} tokens; this model's context is "
                                  f"{spec.max_context} tokens")
-    try:  # (parameters repeat: each distinct valid set is checked once per vocabulary)
-        known = (p, spec.vocab_size) in _VALID
-    except TypeError:  # a dict inside (logit_bias): not hashable, checked every time
-        known = False
-    if not known:
+    key = (p, spec.vocab_size)  # (parameters repeat: each valid set is checked once per vocab)
+    if key not in _VALID:
         check_sampling(p, spec.vocab_size)
-        if p.logit_bias is None:
-            if len(_VALID) >= 256:
-                _VALID.clear()
-            _VALID[(p, spec.vocab_size)] = None
+        _VALID.add(key)
     for name in ("json_schema", "regex"):
         if getattr(p, name) is not None:
             raise _refuse(f"{name} (constrained output) is not supported by this engine; "
@@ -54,7 +48,32 @@ def check_request(prompt: list[int], p: SamplingParams, spec: ModelSpec,
                       "logprobs", "logprobs")
 
 
-_VALID: dict[tuple[SamplingParams, int], None] = {}  # sampling parameters found valid
+class KnownValid:
+    """What a check found valid before, remembered (up to `cap` keys; then it starts over). Equal
+    keys are equally valid: each field has one type. A key that cannot be hashed (a logit_bias
+    dict inside) is never known, so it is checked every time."""
+
+    def __init__(self, cap: int = 256) -> None:
+        self._keys: dict[object, None] = {}
+        self._cap = cap
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return key in self._keys
+        except TypeError:
+            return False
+
+    def add(self, key: object) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self._keys) >= self._cap:
+            self._keys.clear()
+        self._keys[key] = None
+
+
+_VALID = KnownValid()  # (sampling parameters, vocabulary size) that check_sampling let through
 _STOPS: dict[tuple[tuple[int, ...], bool, tuple[int, ...]], frozenset[int]] = {}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from tandem.kv.movers import KvMover
-from tandem.kv.prefill_side import MAX_BATCH, Destination, PrefillSide
+from tandem.kv.prefill_side import Destination, PrefillSide, batches
 from tandem.runtime import wire, transport
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
@@ -153,15 +153,13 @@ class DecodeSide:
             return
         rooms: list[KvRoom] = []
         for msg in (*out, None):
-            if isinstance(msg, KvRoom) and len(rooms) < MAX_BATCH:
+            if isinstance(msg, KvRoom):
                 rooms.append(msg)
                 continue
-            if rooms:
-                self._send(conn, rooms[0] if len(rooms) == 1 else KvRooms(rooms))
-                rooms = []
-            if isinstance(msg, KvRoom):  # (a run past MAX_BATCH: the next message starts)
-                rooms = [msg]
-            elif msg is not None:
+            for batch in batches(rooms, KvRooms):
+                self._send(conn, batch)
+            rooms = []
+            if msg is not None:
                 self._send(conn, msg)
 
     def _send(self, conn: _Conn, msg: wire._Tagged) -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 
@@ -40,7 +41,16 @@ MAX_PENDING_HELLOS = 8
 MAX_ROOMS = 1 << 16  # rooms waiting for their request or their pages
 MAX_BATCH = 4096  # KvRooms or KvDones items in one message (a pass's for one peer may take more)
 
-__all__ = ["Destination", "PrefillSide"]
+__all__ = ["Destination", "PrefillSide", "batches"]
+
+B = TypeVar("B", bound=wire._Tagged)
+
+
+def batches(items: list[B], batch: Callable[[list[B]], wire._Tagged]) -> Iterator[wire._Tagged]:
+    """`items` as messages of at most MAX_BATCH: a lone one as itself, more as `batch(items)`."""
+    for i in range(0, len(items), MAX_BATCH):
+        chunk = items[i:i + MAX_BATCH]
+        yield chunk[0] if len(chunk) == 1 else batch(chunk)
 
 
 @dataclass(eq=False)
@@ -176,9 +186,8 @@ class PrefillSide:
     def _flush_dones(self) -> None:
         dones, self._dones = self._dones, {}
         for ident, items in dones.items():
-            for i in range(0, len(items), MAX_BATCH):
-                batch = items[i:i + MAX_BATCH]
-                self._reply(ident, batch[0] if len(batch) == 1 else KvDones(batch))
+            for msg in batches(items, KvDones):
+                self._reply(ident, msg)
 
     def _reply(self, ident: bytes, msg: wire._Tagged) -> None:
         """Send to a decode peer; one that is gone (EHOSTUNREACH) or not reading (EAGAIN past the

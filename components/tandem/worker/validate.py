@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import msgspec
-
+from tandem.engines.sampling import KnownValid
 from tandem.runtime.wire import Bootstrap, Generate, SamplingParams
 
 MAX_RID_CHARS = 256
@@ -61,25 +60,16 @@ def check_prompt(ids: list[int], limits: Limits) -> str | None:
     return None
 
 
-_VALID: dict[tuple[object, ...], None] = {}  # sampling parameters found valid (they repeat)
-_MAX_VALID = 256
+_VALID = KnownValid()  # sampling parameters found valid (they repeat)
 
 
 def check_sampling(p: SamplingParams, limits: Limits) -> str | None:
-    """`_check_sampling`, remembering the last few distinct valid ones (equal parameters are
-    equally valid: each field has one type)."""
-    try:
-        key: tuple[object, ...] | None = msgspec.structs.astuple(p)
-        known = key in _VALID
-    except TypeError:  # a dict inside (logit_bias): not hashable, checked every time
-        key, known = None, False
-    if known:
+    """`_check_sampling`, remembering the last few distinct valid ones."""
+    if p in _VALID:
         return None
     why = _check_sampling(p)
-    if why is None and key is not None:
-        if len(_VALID) >= _MAX_VALID:
-            _VALID.clear()
-        _VALID[key] = None
+    if why is None:
+        _VALID.add(p)
     return why
 
 
