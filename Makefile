@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 # NIXL wheels declare an unpinned torch dependency: install them without deps.
 NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean gpu-wheels
 
 venv: $(BIN)/.ready
 
@@ -37,6 +37,10 @@ demo: $(BIN)/.ready $(MODEL)/config.json
 
 test: $(BIN)/.ready
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The wheels a bare GPU machine lacks, for tests/gpu/run_on_device.sh (cp312 manylinux, into .whl/).
+gpu-wheels:
+	$(PYTHON) tests/gpu/run_on_device.py --fetch
 
 clean:
 	rm -rf $(VENV) $(MODEL)

@@ -5,13 +5,20 @@ For each page shape and handoff size the same scattered page set (runs of 1..16 
 sides, from pools twice the handoff size) is moved by:
 - nixl x1 / nixl x2: `KvAgent.write_pages` into another process, with one or two copy streams; timed from the call until every byte is in
   place. KV memory: --memory thp (default) huge-page advised and pre-faulted, as `KvAgent` does
-  by default; --memory 4k: torch.zeros, faulted in 4 KiB pages.
+  by default; --memory 4k: torch.zeros, faulted in 4 KiB pages; --memory cuda: VRAM on GPU 0 in
+  both processes (NIXL over UCX's cuda_ipc).
 - copy: this process copies the same pages between two tensors with torch: the fastest of
-  per-run slice `copy_` and `index_copy_`, each with torch's default threads and with one.
+  per-run slice `copy_` and `index_copy_`, each with torch's default threads and with one. With
+  --memory cuda: a device-to-device copy of the same number of bytes between two contiguous
+  buffers (the physical ceiling) and the per-run slice `copy_`, each timed to its synchronize.
 Bytes are checked on the target after each case. Results: perf/results/kv_handoff.{json,md}.
+GB/s count each byte moved once (not read plus written).
 
     UCX_TLS=tcp,cma UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN \\
         .venv/bin/python perf/bench_kv_handoff.py
+    # on a GPU (tests/gpu/run_on_device.sh runs this):
+    UCX_TLS=cuda_ipc,cuda_copy,tcp,cma UCX_NET_DEVICES=lo \\
+        python perf/bench_kv_handoff.py --memory cuda --sizes-mib 1 64 1024
 """
 
 from __future__ import annotations
@@ -35,11 +42,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from tandem.kv.nixl_transfer import KvAgent, prefault_host_memory
+from tandem.kv.nixl_transfer import KvAgent, MemType, prefault_host_memory
 
 DEFAULT_THREADS = torch.get_num_threads()
 SETTLE_S = 0.02
 UCX_ENV = {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+UCX_TLS_CUDA = "cuda_ipc,cuda_copy,tcp,cma"  # the default UCX_TLS with --memory cuda
+
+
+def ucx_defaults(memory: str) -> None:
+    """Set the UCX environment this bench runs under, unless the caller set it already."""
+    tls = UCX_TLS_CUDA if memory == "cuda" else UCX_ENV["UCX_TLS"]
+    for k, v in {**UCX_ENV, "UCX_TLS": tls}.items():
+        os.environ.setdefault(k, v)
 
 # name -> page shape [layers, k/v, page_size, kv_heads, head_dim] in float32
 PAGE_SHAPES: dict[str, tuple[int, ...]] = {
@@ -69,7 +84,9 @@ class Case:
 
 def alloc_pool(num_pages: int, page_shape: tuple[int, ...], memory: str) -> torch.Tensor:
     """A page-major pool. thp: untouched, then huge-page advised and faulted in (what KvAgent's
-    prefault does); 4k: torch.zeros, already faulted in 4 KiB pages."""
+    prefault does); 4k: torch.zeros, already faulted in 4 KiB pages; cuda: on GPU 0."""
+    if memory == "cuda":
+        return torch.empty((num_pages, *page_shape), dtype=torch.float32, device="cuda:0")
     if memory == "4k":
         return torch.zeros((num_pages, *page_shape), dtype=torch.float32)
     t = torch.empty((num_pages, *page_shape), dtype=torch.float32)
@@ -92,10 +109,11 @@ def scattered(num: int, pool: int, rng: np.random.Generator) -> list[int]:
 
 
 def target_main(conn: Connection, num_pages: int, page_shape: tuple[int, ...], memory: str) -> None:
-    os.environ.update(UCX_ENV)
+    ucx_defaults(memory)
     kv = alloc_pool(num_pages, page_shape, memory)
     page_bytes = kv[0].numel() * 4
-    agent = KvAgent(f"bench-decode-{os.getpid()}", kv, page_bytes, num_pages, prefault=False)
+    agent = KvAgent(f"bench-decode-{os.getpid()}", kv, page_bytes, num_pages, mem_of(memory),
+                    prefault=False)
     conn.send((agent.metadata(), agent.layout(), os.getpid()))
     while True:
         if not conn.poll(0.01):  # (the agent's own thread makes progress meanwhile)
@@ -111,8 +129,12 @@ def target_main(conn: Connection, num_pages: int, page_shape: tuple[int, ...], m
     agent.close()
 
 
+def mem_of(memory: str) -> MemType:
+    return "VRAM" if memory == "cuda" else "DRAM"
+
+
 def digest(kv: torch.Tensor, pages: list[int]) -> str:
-    return hashlib.sha256(kv[pages].numpy().tobytes()).hexdigest()
+    return hashlib.sha256(kv[pages].cpu().numpy().tobytes()).hexdigest()
 
 
 def ask(conn: Connection, cmd: str, arg: Any = None, timeout_s: float = 60.0) -> Any:
@@ -138,6 +160,20 @@ def copiers(
     def by_runs() -> None:
         for a, b, n in runs:
             dst[b : b + n].copy_(src[a : a + n])
+
+    if src.is_cuda:  # the ceiling: as many bytes, one contiguous device-to-device copy
+        flat_src, flat_dst = src.view(-1)[: len(local) * src[0].numel()], dst.view(-1)
+        flat_dst = flat_dst[: flat_src.numel()]
+
+        def d2d() -> None:
+            flat_dst.copy_(flat_src)
+            torch.cuda.synchronize()
+
+        def runs_synced() -> None:
+            by_runs()
+            torch.cuda.synchronize()
+
+        return {"d2d copy": d2d, "slice copy_": runs_synced}
 
     def by_index() -> None:
         dst.index_copy_(0, ri, src.index_select(0, li))
@@ -171,7 +207,8 @@ async def run_shape(
     proc.start()
     child.close()
     src = alloc_pool(pool, page_shape, memory)
-    src.copy_(torch.rand(src.shape, generator=torch.Generator().manual_seed(0)))
+    src.copy_(torch.rand(src.shape, generator=torch.Generator(src.device).manual_seed(0),
+                         device=src.device))
     dst = alloc_pool(pool, page_shape, memory)  # the in-process copy's destination
     agents: list[KvAgent] = []
     try:
@@ -180,7 +217,7 @@ async def run_shape(
         md, layout, _ = conn.recv()
         for streams in (1, 2):
             agent = KvAgent(f"bench-prefill-x{streams}-{os.getpid()}", src, page_bytes, pool,
-                            num_streams=streams, prefault=False)
+                            mem_of(memory), num_streams=streams, prefault=False)
             agents.append(agent)
             peer = agent.add_peer(md, layout)
             ask(conn, "peer", (agent.metadata(), agent.layout()))
@@ -241,6 +278,7 @@ def write_results(cases: list[Case], args: argparse.Namespace, command: str, out
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "ucx_env": {k: os.environ.get(k) for k in UCX_ENV},
         "memory": args.memory,
+        "gpu": torch.cuda.get_device_name(0) if args.memory == "cuda" else None,
         "reps": args.reps,
         "loadavg_1min_start_end": args.loadavg,
     }
@@ -252,7 +290,8 @@ def write_results(cases: list[Case], args: argparse.Namespace, command: str, out
         f"Command: `{command}`", "",
         (
             f"Machine: {env['cpus']} CPUs, kernel {env['kernel']}, torch {env['torch']} "
-            f"({env['torch_threads']} threads), UCX {env['ucx_env']}, memory={args.memory}, "
+            f"({env['torch_threads']} threads), UCX {env['ucx_env']}, memory={args.memory}"
+            f"{' on ' + str(env['gpu']) if env['gpu'] else ''}, "
             f"median of {args.reps} reps, 1-min load average {args.loadavg[0]:.2f} at start and "
             f"{args.loadavg[1]:.2f} at end (the machine is shared). GB = 1e9 bytes."
         ),
@@ -274,18 +313,21 @@ def write_results(cases: list[Case], args: argparse.Namespace, command: str, out
     (out / "kv_handoff.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 512])
     ap.add_argument("--shapes", nargs="+", default=list(PAGE_SHAPES), choices=list(PAGE_SHAPES))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--memory", choices=["thp", "4k"], default="thp")
+    ap.add_argument("--memory", choices=["thp", "4k", "cuda"], default="thp")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
-    for k, v in UCX_ENV.items():
-        os.environ.setdefault(k, v)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    ucx_defaults(args.memory)
     python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else "python"
     command = " ".join([*(f"{k}={os.environ[k]}" for k in UCX_ENV), python, *sys.argv])
     cases: list[Case] = []

@@ -18,7 +18,9 @@ from tandem.launcher import spawn as _spawn
 
 __all__ = ["ENV", "Cluster", "Proc", "free_port", "spawn"]
 
-ENV = {**os.environ, "UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+# UCX on loopback (TCP, CMA) unless the caller chose otherwise (on a GPU: tests/gpu/run_on_device.py
+# adds cuda_ipc and cuda_copy, which KV in VRAM needs).
+ENV = {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", **os.environ}
 
 
 def spawn(name: str, argv: list[str], log_dir: str) -> Proc:

@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
+    for item in items:  # by marker: a keyword would also match the folder tests/gpu itself
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
