@@ -13,6 +13,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tandem.config import RouterConfig
+from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.router.pool import WorkerPool
 from tandem.runtime import errors, wire
 from tandem.runtime.channel import MemoryChannel, memory_pair
@@ -247,13 +248,31 @@ def write_model_dir(path: Path, tokenizer: Tokenizer | None = None,
     return path
 
 
+class ServerCallsStub:
+    """A server's calls beside ASGI (tandem.frontend.http.ServerCalls) for app tests: `body` and
+    `start` stand for body_nowait and start_nowait (None: always refused, as a server that cannot
+    write now); on_gone registers and never calls back (the client stays)."""
+
+    def __init__(self, body: Callable[[bytes], bool] | None = None,
+                 start: Callable[[int, Any, bytes], bool] | None = None) -> None:
+        self.body, self.start = body, start
+
+    def body_nowait(self, data: bytes) -> bool:
+        return self.body is not None and self.body(data)
+
+    def start_nowait(self, status: int, headers: Any, body: bytes) -> bool:
+        return self.start is not None and self.start(status, headers, body)
+
+    def on_gone(self, callback: Callable[[], None] | None) -> bool:
+        return True
+
+
 async def asgi_post(app: Any, path: str, body: bytes, out: list[bytes],
-                    extensions: dict[str, Any] | None = None,
-                    starts: list[int] | None = None) -> None:
+                    calls: Any | None = None, starts: list[int] | None = None) -> None:
     """One POST through an ASGI app whose client stays (its `receive` waits after the body):
     every non-empty body chunk written through `send` is appended to `out`, in order, and the
-    status of every response start sent through it to `starts`. `extensions`: the scope's server
-    extensions (body_nowait, start_nowait, on_gone), if any."""
+    status of every response start sent through it to `starts`. `calls`: the server's calls
+    beside ASGI (a ServerCallsStub), offered in the scope as tandem's uvicorn protocol does."""
     asked = False
 
     async def receive() -> dict[str, Any]:
@@ -271,8 +290,8 @@ async def asgi_post(app: Any, path: str, body: bytes, out: list[bytes],
             starts.append(msg["status"])
 
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": path, "headers": []}
-    if extensions:
-        scope["extensions"] = extensions
+    if calls is not None:
+        scope["extensions"] = {EXTENSIONS: calls}
     await app(scope, receive, send)
 
 

@@ -16,6 +16,19 @@ import time
 from typing import Any
 
 
+class _Calls:
+    """The server's calls beside ASGI, as tandem's uvicorn protocol offers them (one object)."""
+
+    def __init__(self, body_nowait: Any) -> None:
+        self.body_nowait = body_nowait
+
+    def start_nowait(self, status: int, headers: Any, body: bytes) -> bool:
+        return False
+
+    def on_gone(self, callback: Any) -> bool:
+        return True
+
+
 async def _one(app: Any, body: bytes, tokens: int, nowait: bool = False) -> int:
     """One streamed request through the app's ASGI interface; the body writes it made. `nowait`:
     the server offers the body_nowait and on_gone extensions (as tandem's uvicorn protocol does);
@@ -43,8 +56,10 @@ async def _one(app: Any, body: bytes, tokens: int, nowait: bool = False) -> int:
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/v1/completions",
                              "headers": []}
     if nowait:  # (and a disconnect callback, as tandem's uvicorn protocol offers: never called)
+        # Both forms, so that checkouts before the one extension object are measured the same way.
         scope["extensions"] = {"tandem.body_nowait": body_nowait,
-                               "tandem.on_gone": lambda callback: True}
+                               "tandem.on_gone": lambda callback: True,
+                               "tandem.server": _Calls(body_nowait)}
     await app(scope, receive, send)
     return chunks
 

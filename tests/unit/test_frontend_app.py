@@ -18,7 +18,8 @@ from tandem.frontend.preprocess import Preprocessor
 from tandem.runtime import errors
 from tandem.config import FrontendConfig
 from tandem.runtime.wire import Delta, ErrorKind, SamplingParams
-from tests.fakes import FakePool, Hang, asgi_post, deltas, one_token_script, write_model_dir
+from tests.fakes import (FakePool, Hang, ServerCallsStub, asgi_post, deltas, one_token_script,
+                         write_model_dir)
 from tests.metrics_text import value
 
 CHAT = "/v1/chat/completions"
@@ -388,10 +389,8 @@ async def _asgi_stream(app: FrontendApp, body: dict[str, Any],
                        nowait: Any) -> tuple[list[bytes], list[bytes]]:
     """One POST through the app's ASGI interface with `nowait` as the server's body_nowait
     extension: (chunks written through `send`, chunks written through `nowait`)."""
-    from tandem.frontend.limits import BODY_NOWAIT
-
     sent: list[bytes] = []
-    await asgi_post(app, COMPLETIONS, json.dumps(body).encode(), sent, {BODY_NOWAIT: nowait})
+    await asgi_post(app, COMPLETIONS, json.dumps(body).encode(), sent, ServerCallsStub(nowait))
     return sent, nowait.chunks
 
 
@@ -413,8 +412,6 @@ async def test_the_first_chunk_starts_the_response_where_its_delta_arrives(
     through `send`), and every later chunk but the last goes out through body_nowait. A server
     that cannot start now (False) leaves the start and that chunk to the task. The client's bytes
     are the same stream."""
-    from tandem.frontend.limits import BODY_NOWAIT, START_NOWAIT
-
     toks = ids_of(pre, "abcdefghij")
     pool = FakePool(script=lambda rid, ids, sp: [0.005, *deltas(rid, toks)])  # (after it waits)
     nowait, asked, starts, sent, first = _Nowait(True), [], [], [], []
@@ -427,7 +424,7 @@ async def test_the_first_chunk_starts_the_response_where_its_delta_arrives(
 
     await asgi_post(make_app(pre, pool), COMPLETIONS,
                     json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode(), sent,
-                    {BODY_NOWAIT: nowait, START_NOWAIT: start_nowait}, starts)
+                    ServerCallsStub(nowait, start_nowait), starts)
     assert asked == [200]
     if accept:
         assert starts == [] and len(first) == 1 and len(nowait.chunks) == 8 and len(sent) == 1

@@ -95,16 +95,16 @@ async def test_a_first_token_after_the_task_waits_starts_a_correct_response(
     where it arrives, head and first chunk in one write (tandem's START_NOWAIT runs uvicorn's own
     start), on granian through the task. Either way the head, the stream, and the next request
     on the same connection are right."""
-    from tandem.frontend import limits
+    from tandem.frontend.uvicorn_protocol import Extensions
 
     started: list[bool] = []
-    real = limits._start_nowait
+    real = Extensions.start_nowait
 
-    def counted(cycle: object, status: int, headers: object, body: bytes) -> bool:
-        started.append(real(cycle, status, headers, body))
+    def counted(self: Extensions, status: int, headers: object, body: bytes) -> bool:
+        started.append(real(self, status, headers, body))
         return started[-1]
 
-    monkeypatch.setattr(limits, "_start_nowait", counted)
+    monkeypatch.setattr(Extensions, "start_nowait", counted)
     server, pool = live
     toks = ids_of(pre, "Hello 🙂 world")
     pool.script = lambda rid, ids, sp: [0.02, *deltas(rid, toks)]

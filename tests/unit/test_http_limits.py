@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tandem.config import FrontendConfig
-from tandem.frontend import http
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.limits import HttpLimits
 from tandem.frontend.preprocess import Preprocessor
@@ -21,6 +20,7 @@ from tests.fakes import FakePool, write_model_dir
 
 LIMITS = HttpLimits(max_connections=20, header_timeout_s=0.3, idle_timeout_s=1.0,
                     body_timeout_s=0.3, max_header_bytes=4096)
+CONFIG = FrontendConfig(served_model_name="tiny", http_body_timeout_s=LIMITS.body_timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def pre(tmp_path_factory: pytest.TempPathFactory) -> Preprocessor:
 
 @pytest.fixture
 async def server(pre: Preprocessor) -> AsyncIterator[HttpServer]:
-    app = FrontendApp(FrontendConfig(served_model_name="tiny"), FakePool(), pre)
+    app = FrontendApp(CONFIG, FakePool(), pre)
     s = make_server(app, "127.0.0.1", 0, "uvicorn", drain_timeout_s=0.2, limits=LIMITS)
     await s.start()
     try:
@@ -123,13 +123,9 @@ async def test_an_idle_kept_alive_connection_is_closed(server: HttpServer) -> No
 
 
 async def test_a_slow_body_gets_408(server: HttpServer) -> None:
-    http.BODY_TIMEOUT_S[0] = LIMITS.body_timeout_s
-    try:
-        r, w = await connect(server)
-        w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                b"content-length: 100\r\n\r\n{\"model\":")  # the rest never comes
-        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 3)
-        assert head.startswith(b"HTTP/1.1 408")
-        w.close()
-    finally:
-        http.BODY_TIMEOUT_S[0] = 60.0
+    r, w = await connect(server)
+    w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{\"model\":")  # the rest never comes
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 3)
+    assert head.startswith(b"HTTP/1.1 408")
+    w.close()

@@ -14,12 +14,11 @@ import pytest
 
 from tandem.config import FrontendConfig
 from tandem.frontend.app import FrontendApp
-from tandem.frontend.limits import BODY_NOWAIT
 from tandem.frontend.preprocess import Preprocessor
 from tandem.router.request import Leg, RequestHandle
 from tandem.runtime import wire
 from tandem.runtime.collector import DeltaCollector
-from tests.fakes import asgi_post, memory_pool, write_model_dir
+from tests.fakes import ServerCallsStub, asgi_post, memory_pool, write_model_dir
 
 TOKENS = 4
 
@@ -43,7 +42,7 @@ async def _request(app: FrontendApp, body: bytes, nowait: bool) -> list[bytes]:
         return True
 
     await asgi_post(app, "/v1/completions", body, out,
-                    {BODY_NOWAIT: body_nowait} if nowait else None)
+                    ServerCallsStub(body_nowait) if nowait else None)
     return out
 
 

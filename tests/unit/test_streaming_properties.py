@@ -3,7 +3,10 @@ SAME live list growing as SGLang does, or incremental; chunked at random) -> wor
 Delta messages (optionally through the wire encoding) -> the router's WorkerLink and
 RequestHandle of a real WorkerPool (offsets checked, deltas merged while the reader lags) -> the
 HTTP app (detokenizer, stop strings, stream_interval, one or several choices) -> the SSE bytes.
-What the client reassembles must be exactly the engine's output.
+What the client reassembles must be exactly the engine's output, on both routes a token takes to
+the client: the server's ASGI `send` (the task), and the calls tandem's uvicorn protocol offers
+beside it (`body_nowait`, `start_nowait`: the route production takes), here over a server that
+takes or refuses each write at random (a refused one is a slow client: the task writes it).
 
 Only the worker is faked: it sits at the other end of an in-memory channel (through the wire
 encoding), and answers each Generate it receives with that request's deltas, one message per loop
@@ -24,6 +27,7 @@ from hypothesis import strategies as st
 from tandem.engines.base import EngineOutput
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.preprocess import Preprocessor
+from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.router.request import RequestHandle
 from tandem.runtime import wire
 from tandem.config import FrontendConfig
@@ -165,8 +169,69 @@ def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
     return full[:end + neg], "stop"
 
 
-async def run_request(pre: Preprocessor, h: Harness, body: dict[str, Any]) -> httpx.Response:
-    app = FrontendApp(FrontendConfig(model="/m/tiny", served_model_name="tiny"), h, pre)
+class NowCalls:
+    """The server's calls beside ASGI over httpx's ASGI transport, whose `send` never awaits: a
+    call writes through it at once (stepping its coroutine), in order with the app's own sends.
+    `accept` says, in turn, whether the server can take each call's write now."""
+
+    def __init__(self, send: Any, accept: list[bool]) -> None:
+        self.send, self.accept, self.asked = send, accept, 0
+        self.started = False
+        self.written = 0  # writes made through these calls
+
+    def _now(self, message: dict[str, Any]) -> None:
+        step = self.send(message)
+        try:
+            step.send(None)
+        except StopIteration:
+            return
+        step.close()
+        raise AssertionError("the transport's send awaited")
+
+    def _take(self) -> bool:
+        self.asked += 1
+        return self.accept[(self.asked - 1) % len(self.accept)]
+
+    def body_nowait(self, data: bytes) -> bool:
+        if not self.started or not data or not self._take():
+            return False
+        self._now({"type": "http.response.body", "body": data, "more_body": True})
+        self.written += 1
+        return True
+
+    def start_nowait(self, status: int, headers: Any, body: bytes) -> bool:
+        if self.started or not body or not self._take():
+            return False
+        self.started = True
+        self._now({"type": "http.response.start", "status": status, "headers": headers})
+        self._now({"type": "http.response.body", "body": body, "more_body": True})
+        self.written += 1
+        return True
+
+    def on_gone(self, callback: Any) -> bool:
+        return True  # (the client stays)
+
+
+def offering_calls(app: FrontendApp, accept: list[bool], made: list[NowCalls]) -> Any:
+    async def server(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        calls = NowCalls(send, accept)
+        made.append(calls)
+
+        async def asgi_send(message: dict[str, Any]) -> None:
+            calls.started |= message["type"] == "http.response.start"
+            await send(message)
+
+        await app({**scope, "extensions": {EXTENSIONS: calls}}, receive, asgi_send)
+    return server
+
+
+async def run_request(pre: Preprocessor, h: Harness, body: dict[str, Any],
+                      accept: list[bool] | None = None,
+                      made: list[NowCalls] | None = None) -> httpx.Response:
+    """One request through the app; `accept`: over a server offering the calls beside ASGI."""
+    app: Any = FrontendApp(FrontendConfig(model="/m/tiny", served_model_name="tiny"), h, pre)
+    if accept is not None:
+        app = offering_calls(app, accept, made if made is not None else [])
     transport = httpx.ASGITransport(app=app)
     await h.start()
     try:
@@ -190,6 +255,7 @@ def scenario(draw: st.DrawFn) -> dict[str, Any]:
         "lookahead": draw(st.lists(st.booleans(), min_size=1, max_size=4)),
         "wire": draw(st.booleans()),
         "interval": draw(st.integers(1, 8)),
+        "accept": draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=1, max_size=4))),
         "n": draw(st.sampled_from([1, 1, 2])),
         "stops": draw(st.lists(
             st.one_of(st.text(alphabet=ALPHABET, min_size=1, max_size=3),
@@ -199,7 +265,7 @@ def scenario(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenario())
 def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
                                                              sc: dict[str, Any]) -> None:
@@ -214,8 +280,14 @@ def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
             "stream_interval": sc["interval"], "stream_options": {"include_usage": True}}
     if sc["stops"]:
         body["stop"] = sc["stops"]
-    r = asyncio.run(run_request(pre, h, body))
+    made: list[NowCalls] = []
+    r = asyncio.run(run_request(pre, h, body, sc["accept"], made))
     assert r.status_code == 200
+    if sc["accept"] is not None and all(sc["accept"]) and len(h.make("r")) >= 3 \
+            and sc["interval"] == 1 and sc["n"] == 1 and want_finish == "length":
+        # Deltas after the first arrive while the task waits: the route production takes was
+        # taken (each of them is a chunk: interval 1).
+        assert made[0].written > 0
     evs = parse_sse(r.text)
     assert evs[-1] == "[DONE]"
     texts: dict[int, str] = {}

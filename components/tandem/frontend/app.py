@@ -33,7 +33,7 @@ from tandem.frontend import validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
-from tandem.frontend.limits import BODY_NOWAIT, ON_GONE, START_NOWAIT
+from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
@@ -74,6 +74,7 @@ class FrontendApp:
         self.preprocessor = preprocessor
         self.model_name = preprocessor.model_name
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = config.http_body_timeout_s
         self.registry = registry if registry is not None else pool.registry
         self.registry.add_process_metrics()
         self.metrics = FrontendMetrics(self.registry, self.model_name)
@@ -115,8 +116,7 @@ class FrontendApp:
         path: str = scope["path"]
         method: str = scope["method"]
         ext = scope.get("extensions")
-        ex = ResponseWriter(send, ext.get(BODY_NOWAIT), ext.get(ON_GONE),
-                            ext.get(START_NOWAIT)) if ext else ResponseWriter(send)
+        ex = ResponseWriter(send, ext.get(EXTENSIONS) if ext else None)
         t0 = time.monotonic()
         if self._stats is None and self.config.log_stats_interval_s > 0 and not self.draining:
             self._stats = asyncio.ensure_future(log_stats(
@@ -159,7 +159,7 @@ class FrontendApp:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         m = self.metrics
         try:
-            body = await read_body(receive, self.max_body_bytes)
+            body = await read_body(receive, self.max_body_bytes, self.body_timeout_s)
             job = await self._prepare(kind, body, t0)
             handles = [self.pool.open(c.prompt_ids, c.sampling) for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
@@ -289,7 +289,8 @@ class FrontendApp:
     async def _small(self, handler: Callable[[bytes], Awaitable[bytes]], receive: Receive,
                      ex: ResponseWriter) -> None:
         try:
-            body = await handler(await read_body(receive, self.max_body_bytes))
+            body = await handler(await read_body(receive, self.max_body_bytes,
+                                                 self.body_timeout_s))
         except errors.TandemError as e:
             await ex.error(e)
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -70,14 +70,9 @@ def error_of(d: Delta) -> errors.TandemError:
     return err
 
 
-BODY_TIMEOUT_S = [60.0]  # the body's deadline; the server sets it from --http-body-timeout
-
-
-async def read_body(receive: Receive, max_bytes: int, timeout_s: float | None = None) -> bytes:
+async def read_body(receive: Receive, max_bytes: int, deadline: float) -> bytes:
     """The request body: PayloadTooLarge (413) past `max_bytes`, RequestTimeout (408) when it has
-    not all arrived within `timeout_s` (BODY_TIMEOUT_S when not given), ClientGone if the client
-    left."""
-    deadline = timeout_s if timeout_s is not None else BODY_TIMEOUT_S[0]
+    not all arrived within `deadline` seconds (0: none), ClientGone if the client left."""
     if deadline <= 0:
         return await _read_body(receive, max_bytes)
     # What `asyncio.timeout` does, at half its cost (it runs once per request): a timer that
@@ -120,27 +115,42 @@ async def _read_body(receive: Receive, max_bytes: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+class ServerCalls(Protocol):
+    """What a server may offer a request beside ASGI, to write now instead of awaiting (tandem's
+    uvicorn protocol does: tandem.frontend.uvicorn_protocol.Extensions). Each returns False,
+    having done nothing, when it cannot do its job now."""
+
+    def body_nowait(self, data: bytes) -> bool: ...
+
+    def start_nowait(self, status: int, headers: Sequence[tuple[bytes, bytes]],
+                     body: bytes) -> bool: ...
+
+    def on_gone(self, callback: Callable[[], None] | None) -> bool: ...
+
+
 class ResponseWriter:
     """The response side of one HTTP exchange. A failed write marks the client gone and raises
     `ClientGone`; `status` is what was sent (0 until the response starts).
 
-    `body_nowait(data)`, when the server offers one (tandem's uvicorn protocol does:
-    tandem.frontend.limits.BODY_NOWAIT; None otherwise), writes a body chunk of a started response
-    without awaiting. It returns False, having written nothing, when the server cannot take the
-    chunk now (a slow client: writing is paused; the client is gone): the caller then awaits
-    `body`, which waits as the server says. The caller checks `gone` first. `start_now` is the same
-    for the response's start (the server's START_NOWAIT)."""
+    With a server's `ServerCalls` (`calls`): `body_nowait(data)` writes a body chunk of a started
+    response without awaiting. It returns False, having written nothing, when the server cannot
+    take the chunk now (a slow client: writing is paused; the client is gone): the caller then
+    awaits `body`, which waits as the server says. The caller checks `gone` first. `start_now` is
+    the same for the response's start, and `on_gone` is what watch_disconnect registers with.
+    Without them (None), every write is an ASGI `send`."""
 
     __slots__ = ("_send", "body_nowait", "on_gone", "_start_nowait", "status", "finished", "gone")
 
-    def __init__(self, send: Send, body_nowait: Callable[[bytes], bool] | None = None,
-                 on_gone: Callable[[Callable[[], None] | None], bool] | None = None,
-                 start_nowait: Callable[[int, Sequence[tuple[bytes, bytes]], bytes], bool]
-                 | None = None):
+    def __init__(self, send: Send, calls: ServerCalls | None = None):
         self._send = send
-        self.body_nowait = body_nowait  # the server's own (see the class), if it offers one
-        self.on_gone = on_gone  # the server's disconnect callback (see watch_disconnect), if any
-        self._start_nowait = start_nowait
+        if calls is None:
+            self.body_nowait: Callable[[bytes], bool] | None = None
+            self.on_gone: Callable[[Callable[[], None] | None], bool] | None = None
+            self._start_nowait: Callable[[int, Sequence[tuple[bytes, bytes]], bytes], bool] \
+                | None = None
+        else:
+            self.body_nowait, self.on_gone = calls.body_nowait, calls.on_gone
+            self._start_nowait = calls.start_nowait
         self.status = 0
         self.finished = False
         self.gone = False
@@ -208,7 +218,7 @@ class watch_disconnect:
     the block, as `asyncio.timeout`'s does, so the caller carries on after it.
 
     A server that offers a disconnect callback (`writer.on_gone`: tandem's uvicorn protocol,
-    tandem.frontend.limits.ON_GONE) tells us from its `connection_lost`, and nothing else runs.
+    tandem.frontend.uvicorn_protocol) tells us from its `connection_lost`, and nothing else runs.
     Otherwise a watcher task awaits `receive()` for `http.disconnect` (as ASGI says), and is
     cancelled and awaited on the way out."""
 

@@ -34,7 +34,7 @@ async def _main(cfg: FrontendConfig, stop: asyncio.Event) -> None:
         # Serve at once; workers that are not up yet join when they answer the handshake.
         await pool.start(wait_s=HELLO_TIMEOUT_S if not stop.is_set() else 0)
         lifecycle.tune_gc()
-        await serve(cfg, pool, stop, backend=cfg.http_server)
+        await serve(cfg, pool, stop)
     finally:
         await discovery.close()
         await pool.close()

@@ -28,16 +28,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Literal, Protocol
+from typing import Protocol
 
-from tandem.frontend import http
 from tandem.frontend.app import FrontendApp, Pool
-from tandem.frontend.limits import HttpLimits, guarded_protocol, raise_fd_limit
+from tandem.frontend.limits import HttpLimits, raise_fd_limit
+from tandem.frontend.uvicorn_protocol import guarded_protocol
 from tandem.frontend.preprocess import Preprocessor
 from tandem.config import DRAIN_TIMEOUT_S, FrontendConfig
+from tandem.config import HttpServer as HttpServerName
 
-Backend = Literal["uvicorn", "granian"]
-DEFAULT_BACKEND: Backend = "uvicorn"
+Backend = HttpServerName  # (config's `--http-server` choices)
 _START_TIMEOUT_S = 10.0
 
 log = logging.getLogger("tandem.frontend")
@@ -80,7 +80,7 @@ class UvicornServer:
         self.drain_timeout_s = drain_timeout_s
         self.reuse_port = reuse_port
         self._requested_port = port
-        lim = limits or HttpLimits()  # connection cap, head/idle deadlines (tandem.frontend.limits)
+        lim = limits or HttpLimits.of(app.config)  # connection cap, head/idle deadlines
         lim = HttpLimits(raise_fd_limit(lim.max_connections), lim.header_timeout_s,
                          lim.idle_timeout_s, lim.body_timeout_s, lim.max_header_bytes)
         self._config = uvicorn.Config(
@@ -191,7 +191,7 @@ class GranianServer:
         await task
 
 
-def make_server(app: FrontendApp, host: str, port: int, backend: Backend = DEFAULT_BACKEND,
+def make_server(app: FrontendApp, host: str, port: int, backend: Backend,
                 drain_timeout_s: float = DRAIN_TIMEOUT_S, reuse_port: bool = False,
                 limits: HttpLimits | None = None) -> HttpServer:
     if backend == "granian":
@@ -204,16 +204,13 @@ def make_server(app: FrontendApp, host: str, port: int, backend: Backend = DEFAU
 
 
 async def serve(config: FrontendConfig, pool: Pool, stop: asyncio.Event, *,
-                preprocessor: Preprocessor | None = None,
-                backend: Backend = DEFAULT_BACKEND) -> None:
+                preprocessor: Preprocessor | None = None) -> None:
     """Serve the OpenAI API for `pool` on `config.host:config.port` until `stop` is set (by
     tandem.runtime.lifecycle.run, on SIGTERM/SIGINT); then drain and return."""
     app = FrontendApp(config, pool, preprocessor or Preprocessor.from_config(config))
-    limits = HttpLimits(config.max_connections, config.http_header_timeout_s,
-                        config.http_idle_timeout_s, config.http_body_timeout_s)
-    http.BODY_TIMEOUT_S[0] = config.http_body_timeout_s
+    backend = config.http_server
     server = make_server(app, config.host, config.port, backend, config.drain_timeout_s,
-                         config.reuse_port, limits)
+                         config.reuse_port, HttpLimits.of(config))
     try:
         await server.start()
         log.info("serving %s on http://%s:%d (%s)", app.model_name, config.host, server.port,
