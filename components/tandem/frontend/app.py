@@ -36,7 +36,7 @@ from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, R
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
-from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, respond
+from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, new_pushes, respond
 from tandem.runtime import errors, lifecycle
 from tandem.runtime.metrics import CONTENT_TYPE, Registry
 from tandem.runtime.wire import SamplingParams
@@ -78,6 +78,7 @@ class FrontendApp:
         self.registry = registry if registry is not None else pool.registry
         self.registry.add_process_metrics()
         self.metrics = FrontendMetrics(self.registry, self.model_name)
+        self.pushes = new_pushes()  # every response's deltas handled at a loop pass's end
         self.metrics.load_gauges(lambda: max(0, len(self._work) - self._queued()), self._queued)
         self.metrics.kv_usage(self._kv_usage)
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
@@ -197,7 +198,7 @@ class FrontendApp:
     async def _respond(self, job: GenerationJob, handles: list[Handle], receive: Receive,
                        ex: ResponseWriter) -> None:
         async with watch_disconnect(receive, ex):
-            await respond(job, handles, ex, self.metrics)
+            await respond(job, handles, ex, self.metrics, self.pushes)
 
     async def _prepare(self, kind: str, body: bytes, t0: float) -> GenerationJob:
         """Validate, template, tokenize and size one request; every refusal raises."""

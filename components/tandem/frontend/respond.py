@@ -13,19 +13,19 @@ choice cut by a stop string is left at once (its request aborted on the worker).
 inter-token latency, stream chunks, tokens and errors are recorded here, the same way for every
 response.
 
-Push. The task that owns a response is not woken for every token. While it waits (the response
-started, or it is aggregated) and nothing is queued, a delta that is neither a choice's last nor
-an error is handled at the end of the event loop pass in which it arrived (one callback per pass
-for all responses, `_Pusher`; deltas of one request that arrive in the same pass merge in its
-collector first): fed to its choice and written with the server's `body_nowait`
-(ResponseWriter), which writes at once when the server can take it. A stream's first delta is
-pushed at once, where it arrives, and starts the response with the server's `start_now` (the task
-waits with nothing queued, and would run one loop pass later: at saturation a pass is
-milliseconds). Everything else wakes the task, which does the same through the same
-`_Response.one`: a finish, an error, a choice a stop string ended (left by the task), a chunk the
-server cannot take now (a slow client: the server paused writing; the task awaits `send`, while
-the collector merges what arrives meanwhile), a server without the nowait calls. Order is kept:
-push only runs while the task waits with nothing queued.
+Push. The task that owns a response is not woken for every token: where a delta goes is what
+the response's `ResponseState` says (tandem.frontend.response_state: its phases, and why). While
+the task waits (the response started, or it is aggregated) and nothing is queued, a delta that is
+neither a choice's last nor an error is handled at the end of the event loop pass in which it
+arrived (the app's `Pushes`: one callback per pass for all responses; deltas of one request that
+arrive in the same pass merge in its collector first): fed to its choice and written with the
+server's `body_nowait` (ResponseWriter), which writes at once when the server can take it. A
+stream's first delta is pushed at once, where it arrives, and starts the response with the
+server's `start_now` (the task would run one loop pass later: at saturation a pass is
+milliseconds). Everything else wakes the task, which feeds through the same `_Response.one`: a
+finish, an error, a choice a stop string ended (left by the task), a chunk the server cannot take
+now (a slow client: the server paused writing; the task awaits `send`, while the collector merges
+what arrives meanwhile), a server without the nowait calls.
 
 The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
 produced: `completion_tokens` is every token received by every
@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -50,12 +49,14 @@ from tandem.frontend.choice import (ChoiceSpec, ChoiceState, GenerationJob, Rich
                                     state_of)
 from tandem.frontend.http import JSON, ClientGone, ResponseWriter
 from tandem.frontend.metrics import FrontendMetrics
+from tandem.frontend.response_state import FIRST, STREAMING, ResponseState
 from tandem.runtime import errors
 from tandem.runtime.collector import DeltaCollector
 from tandem.runtime.lifecycle import running_loop
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import Delta
 
-__all__ = ["ChoiceSpec", "ChoiceState", "GenerationJob", "Handle", "respond"]
+__all__ = ["ChoiceSpec", "ChoiceState", "GenerationJob", "Handle", "Pushes", "new_pushes", "respond"]
 
 log = logging.getLogger("tandem.frontend")
 _encode = msgspec.json.Encoder().encode
@@ -78,82 +79,65 @@ class Handle(Protocol):
     async def __aexit__(self, *exc_info: Any) -> Any: ...
 
 
-class _Pusher:
-    """Runs the pushes marked during one event loop pass at its end, with one callback per pass
-    for every response: deltas of a request that arrive in the same pass merge first. A push its
-    response cannot take (see `_Response.push`) goes to the response's task."""
-
-    __slots__ = ("marked", "loop")
-
-    def __init__(self) -> None:
-        self.marked: list[tuple[_Response, int]] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def mark(self, r: _Response, i: int) -> None:
-        if not self.marked or self.loop is None or not self.loop.is_running():
-            self.marked.clear()  # (a loop that stopped took its callback; one runs per thread)
-            self.loop = loop = running_loop()
-            loop.call_soon(self.run)
-        self.marked.append((r, i))
-
-    def run(self) -> None:
-        marked, self.marked = self.marked, []
-        for r, i in marked:
-            if not (r.parked and not r.queue and r.push(i)):
-                r.queue.append(i)
-                r.wake()
+Pushes = PassBatcher[tuple["_Response", int]]
 
 
-_PUSHER = _Pusher()
+def _push_marked(marked: list[tuple[_Response, int]]) -> None:
+    for r, i in marked:  # (still STREAMING: the task waits with nothing queued, order is kept)
+        if r.rs.phase == STREAMING and r.push(i):
+            continue
+        r.rs.queue.append(i)
+        r.wake()
+
+
+def new_pushes() -> Pushes:
+    """The pushes of every response of one app: run at the end of the loop pass they were marked
+    in, with one callback per pass (deltas of a request that arrive in the same pass merge
+    first)."""
+    return PassBatcher(_push_marked)
 
 
 class _Response:
-    """One response's loop state, shared by its task (`run`) and by `push`."""
+    """One response: its choices, its writer, and its `ResponseState` (tandem.frontend.
+    response_state: where the response is, and so where a delta goes). `run` is its task; `ready`
+    is where its deltas arrive; `push` handles one without the task; `one` feeds a choice, for
+    both."""
 
-    __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "queue",
-                 "waiter", "parked", "leaving", "crash", "takes", "running", "observe", "out",
-                 "nowait")
+    __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "rs",
+                 "waiter", "takes", "running", "observe", "nowait", "pushes")
 
     def __init__(self, job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
-                 m: FrontendMetrics, rid: str, created: int) -> None:
-        self.job, self.handles, self.w, self.m = job, handles, w, m
+                 m: FrontendMetrics, rid: str, created: int, pushes: Pushes) -> None:
+        self.job, self.handles, self.w, self.m, self.pushes = job, handles, w, m, pushes
         self.states = [state_of(job, c, i, rid, created) for i, c in enumerate(job.choices)]
         self.last = [0.0] * len(self.states)  # when each choice last got a delta
         self.first_at = self.placed_at = 0.0
-        self.queue: deque[int] = deque()  # choices whose collector holds something, for the task
+        self.rs = ResponseState(job.stream, w.body_nowait is not None, w.can_start_now)
         self.waiter: asyncio.Future[None] | None = None
-        self.parked = False  # the task waits and push may handle deltas
-        self.leaving: list[int] = []  # choices push saw a stop string end: the task leaves them
-        self.crash: BaseException | None = None  # what push raised: the task raises it
         self.takes = [h.collector.take for h in handles]
         self.running = [h.collector.take_running for h in handles]
         self.observe = m.itl.observe_n
-        self.out: list[bytes] = []  # produced, not written yet (the task writes it)
         # Push writes through the server's body_nowait; aggregated, it only feeds.
         self.nowait = w.body_nowait if job.stream else None
 
     def ready(self, i: int) -> None:
-        """Choice `i`'s collector turned non-empty (the collector's listener). A stream's first
-        chunk is made and written here at once, starting the response (`push`, when the server
-        offers START_NOWAIT); later deltas are pushed at the end of the loop pass. What push cannot
-        write (a finish, an error, a server without the nowait calls) wakes the task at once, not
-        one loop pass later through the pusher. (Parked and streamed means started.)"""
-        if self.parked and not self.queue and (self.nowait is not None or not self.job.stream):
-            _PUSHER.mark(self, i)  # at the end of this loop pass (what else arrives merges)
+        """Choice `i`'s collector turned non-empty (the collector's listener): its delta goes where
+        the response's phase says (tandem.frontend.response_state)."""
+        rs = self.rs
+        phase = rs.phase
+        if phase == STREAMING:  # at the end of this loop pass (what else arrives merges)
+            self.pushes.add((self, i))
             return
-        # (A pending waiter means nothing is queued, out, leaving or crashed: each of those
-        # wakes the task.)
-        waiter = self.waiter
-        if (self.nowait is not None and self.w.can_start_now and not self.w.started
-                and waiter is not None and not waiter.done() and self.push(i)):
-            if not waiter.done():  # (the task still waits: later deltas are pushed)
-                self.parked = self.w.started
-            return
-        self.queue.append(i)
+        if phase == FIRST:  # a stream's first chunk, made and written here, starts the response
+            if self.push(i):
+                if rs.phase == FIRST:  # (the task still waits: nothing was left for it)
+                    rs.park(self.w.started)
+                return
+        rs.queue.append(i)
         self.wake()
 
     def wake(self) -> None:
-        self.parked = False
+        self.rs.wake()
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -176,8 +160,8 @@ class _Response:
     def push(self, i: int) -> bool:
         """Handle choice `i`'s delta here, without the task (which waits with nothing queued);
         False: it is the task's (a finish, a failure). Only called when its chunks can be written
-        here: streamed with the server's body_nowait (and START_NOWAIT, for the chunk that starts
-        the response), or aggregated."""
+        here: streamed with the server's body_nowait (and start_nowait, for the chunk that starts
+        the response), or aggregated. What it cannot finish is left for the task, woken."""
         st = self.states[i]
         nowait = self.nowait
         d = self.running[i]()
@@ -188,24 +172,24 @@ class _Response:
         try:
             data = self.one(i, d)
         except Exception as e:  # (a bug: the task raises it as its own)
-            self.crash = e
+            self.rs.failed(e)
             self.wake()
             return True
         w = self.w
         if data and (nowait is None or w.gone or not (
                 nowait(data) if w.started else w.start_now(200, sse.HEADERS, data))):
-            self.out.append(data)  # not taken now: the task writes it (starting first), waiting
+            self.rs.left_over(data)  # not taken now: the task writes it (starting first)
             self.wake()
         if st.finish is not None:  # a stop string ended it: the task leaves its request
-            self.leaving.append(i)
+            self.rs.stopped(i)
             self.wake()
         return True
 
     async def run(self, entered: list[Handle]) -> None:
         """Place every choice (each one placed goes in `entered`), then take deltas until every
-        choice finished (or one failed); `out` keeps what was produced and not written yet."""
-        job, handles, w, states, queue = self.job, self.handles, self.w, self.states, self.queue
-        out = self.out
+        choice finished (or one failed); `rs.out` keeps what was produced and not written yet."""
+        job, handles, w, states, rs = self.job, self.handles, self.w, self.states, self.rs
+        queue, out, leaving = rs.queue, rs.out, rs.leaving
         for h in handles:
             await h.__aenter__()
             entered.append(h)
@@ -217,17 +201,17 @@ class _Response:
         stream = job.stream
         left = len(states)
         while left:
-            if not queue and not self.leaving and not out:
-                if self.crash is not None:
-                    raise self.crash
+            if not queue and not leaving and not out:
+                if rs.crash is not None:
+                    raise rs.crash
                 self.waiter = waiter = loop.create_future()
-                self.parked = w.started or not stream
+                rs.park(w.started)
                 try:
                     await waiter
                 finally:
-                    self.parked = False
-            while self.leaving:  # push saw a stop string end these
-                i = self.leaving.pop()
+                    rs.wake()
+            while leaving:  # push saw a stop string end these
+                i = leaving.pop()
                 left -= 1
                 await handles[i].__aexit__(None, None, None)
             while queue:
@@ -250,17 +234,19 @@ class _Response:
                 data = out[0] if len(out) == 1 else b"".join(out)
                 out.clear()
                 await w.body(data)
+
+
 async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
-                  m: FrontendMetrics) -> None:
+                  m: FrontendMetrics, pushes: Pushes) -> None:
     chat = job.kind == "chat"
     rid = job.rid = ("chatcmpl-" if chat else "cmpl-") + handles[0].rid
     created = int(time.time())
-    r = _Response(job, handles, w, m, rid, created)
+    r = _Response(job, handles, w, m, rid, created, pushes)
     states = r.states
     m.prompt_tokens.inc(job.prompt_tokens)
     entered: list[Handle] = []
     failure: errors.TandemError | None = None
-    out = r.out
+    out = r.rs.out
     try:
         try:
             await r.run(entered)
@@ -276,7 +262,7 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
                 else "internal_error")
         raise
     finally:
-        r.parked = False  # (nothing is pushed past here)
+        r.rs.finish()  # (nothing is pushed past here)
         for h in handles:
             h.collector.unlisten()  # (its listener holds `r`: no cycle outlives the request)
         for h in entered:
