@@ -157,7 +157,7 @@ class FakeHandle:
                 return
         if not self.finished:
             self.finished = True
-            self.collector.fail(errors.EngineFailed("the script ended without a finish reason"))
+            self.collector.fail(errors.TandemError("the script ended without a finish reason"))
 
 
 class FakePool:

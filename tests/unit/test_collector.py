@@ -25,13 +25,13 @@ def test_take_running_takes_only_a_delta_the_request_goes_on_after() -> None:
 def test_take_running_leaves_a_delta_with_a_failure_behind_it() -> None:
     c = DeltaCollector()
     c.put(Delta("r", 0, [5]))
-    c.fail(errors.EngineFailed("boom"))
+    c.fail(errors.TandemError("boom"))
     assert c.take_running() is None  # the task sees the tokens, then the failure
     d = c.take()
     assert d is not None and d.token_ids == [5]
     try:
         c.take()
-    except errors.EngineFailed:
+    except errors.TandemError:
         pass
     else:
         raise AssertionError("the failure was not raised after the tokens")

@@ -1,4 +1,11 @@
-"""One flat exception hierarchy; each error knows the HTTP status and OpenAI error type it maps to."""
+"""The exception tree, in two halves.
+
+- `TandemError`: what the frontend process raises about a request (a bad request, no worker, a
+  worker lost, a gap in a stream). Each knows its HTTP status and OpenAI error type.
+- `EngineError`: what a worker's engine raises about a request. Each knows only the wire's
+  `ErrorKind` (`kind`), which the request's last delta carries to the frontend; there
+  tandem.frontend.http's table, the only one, turns a kind into an HTTP status and type.
+"""
 
 from __future__ import annotations
 
@@ -54,11 +61,6 @@ class WorkerLost(TandemError):
     code = "worker_lost"
 
 
-class EngineFailed(TandemError):
-    status = 500
-    type = "engine_error"
-
-
 class StreamProtocolError(TandemError):
     """A delta arrived with a gap or an overlap: the request fails loudly rather than lose tokens."""
 
@@ -70,23 +72,24 @@ class StreamProtocolError(TandemError):
 # --- engine and KV errors ----------------------------------------------------------------------------
 # Each knows the wire's ErrorKind (`kind`) a failed request's last delta carries: the worker reads
 # `err.kind`, never an isinstance chain. KV errors are engine errors, so a KV failure crosses the
-# engine boundary as it is (no re-wrapping); only tandem.kv.handoff turns a mover's own failure
-# (any exception) into a KvHandoffError, once.
+# engine boundary as it is (no re-wrapping); the prefill side (tandem.kv.prefill_side) turns a
+# mover's own failure (any exception) into a KvHandoffError, once.
 
 
-class EngineError(TandemError):
-    """The engine failed; the request cannot go on."""
+class EngineError(Exception):
+    """The engine failed; the request cannot go on. `param`: the request field at fault."""
 
-    status = 500
-    type = "engine_error"
     kind: ErrorKind = ErrorKind.ENGINE
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 class EngineRequestError(EngineError):
-    """The request itself is unacceptable (too long, bad params). Maps to HTTP 400."""
+    """The request itself is unacceptable (too long, bad params): the frontend's 400."""
 
-    status = 400
-    type = "invalid_request_error"
     kind = ErrorKind.BAD_REQUEST
 
 
@@ -102,7 +105,6 @@ class KvHandoffError(EngineError):
     """The KV of a PD request did not arrive (or could not be sent): the request fails; its pages
     are (or will be, once no write can land in them) released."""
 
-    type = "kv_transfer_error"
     kind = ErrorKind.KV_TRANSFER
 
 
