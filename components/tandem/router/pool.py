@@ -80,8 +80,7 @@ class WorkerPool:
         for a in addresses:
             self._new_link(a)
         self._register_metrics(self.registry)
-        self.requests = RequestOptions(self.router.max_migrations, self.router.request_timeout_s,
-                                       self.registry)  # migration and deadline (router.request)
+        self.requests = RequestOptions(self.router, self.registry)  # migration and deadline
 
     @property
     def clients(self) -> list[WorkerLink]:

@@ -47,6 +47,7 @@ from tandem.runtime.metrics import Registry
 from tandem.runtime.wire import Bootstrap, Delta, ErrorKind, Generate, SamplingParams, Usage
 
 if TYPE_CHECKING:
+    from tandem.config import RouterConfig
     from tandem.router.link import WorkerLink
 
 log = logging.getLogger("tandem.router")
@@ -61,30 +62,21 @@ class DeadlineExceeded(errors.TandemError):
 
 
 class RequestOptions:
-    """What every request of one pool shares: its limits, and the counters they move."""
+    """What every request of one pool shares: its limits (the router's flags), and the counters
+    they move."""
 
     __slots__ = ("max_migrations", "timeout_s", "migrations", "deadlines")
 
-    def __init__(self, max_migrations: int = 2, timeout_s: float = 600.0,
-                 registry: Registry | None = None) -> None:
-        self.max_migrations = max_migrations
-        self.timeout_s = timeout_s  # 0 = no deadline
-        r = registry if registry is not None else Registry()
+    def __init__(self, router: RouterConfig, registry: Registry) -> None:
+        self.max_migrations = router.max_migrations
+        self.timeout_s = router.request_timeout_s  # 0 = no deadline
+        r = registry
         self.migrations = r.counter(
             "tandem_request_migrations_total",
             "Requests moved to another worker after theirs was lost mid-request.")
         self.deadlines = r.counter(
             "tandem_request_deadline_exceeded_total",
             "Requests ended because they passed their end-to-end deadline.")
-
-
-_DEFAULT: list[RequestOptions] = []
-
-
-def _default_options() -> RequestOptions:
-    if not _DEFAULT:
-        _DEFAULT.append(RequestOptions())
-    return _DEFAULT[0]
 
 
 class Leg(Share):
@@ -140,8 +132,7 @@ class RequestHandle:
                  "options", "_admit", "_admit_now", "_ended", "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                 admit: Callable[[RequestHandle], Awaitable[Any]],
-                 options: RequestOptions | None = None,
+                 admit: Callable[[RequestHandle], Awaitable[Any]], options: RequestOptions,
                  admit_now: Callable[[RequestHandle], Any] | None = None) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -150,7 +141,7 @@ class RequestHandle:
         self.legs: tuple[Leg, ...] = ()
         self.tokens: list[int] = []  # completion tokens delivered to the collector, in order
         self.migrations = 0
-        self.options = options if options is not None else _default_options()
+        self.options = options
         self._admit = admit
         self._admit_now = admit_now  # admit's no-wait path: placed, or None
         self._ended = False  # iteration returned the last delta
