@@ -56,7 +56,7 @@ LIMITS = Limits(vocab_size=100, max_context=64)
 
 @pytest.mark.parametrize("g", [
     Generate("r", [1, 2], SamplingParams()),
-    Generate("r", [99], SamplingParams(max_tokens=0, top_k=5, seed=2**64 - 1, temperature=0.0)),
+    Generate("r", [99], SamplingParams(max_tokens=1, top_k=5, seed=2**64 - 1, temperature=0.0)),
     Generate("r", [0] * 64, SamplingParams(stop_token_ids=(1, 2)), Bootstrap("h", 1, 0)),
     Generate("r", [1, 2, 3], SamplingParams(), None, 2),  # a moved request: 2 ids were output
 ])
@@ -72,6 +72,8 @@ def test_acceptable_generates_pass(g: Generate) -> None:
     (Generate("r", [100], SamplingParams()), "outside"),
     (Generate("r", [-1], SamplingParams()), "outside"),
     (Generate("r", [1], SamplingParams(max_tokens=-1)), "max_tokens"),
+    (Generate("r", [1], SamplingParams(max_tokens=0)), "max_tokens"),  # (the limits every place checks)
+    (Generate("r", [1], SamplingParams(logit_bias={100: 1.0})), "logit_bias"),
     (Generate("r", [1], SamplingParams(min_tokens=-1)), "min_tokens"),
     (Generate("r", [1], SamplingParams(temperature=math.nan)), "temperature"),
     (Generate("r", [1], SamplingParams(temperature=-0.5)), "temperature"),

@@ -27,18 +27,15 @@ import msgspec
 from tandem.frontend.http import PayloadTooLarge
 from tandem.frontend.schemas import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, GenerateRequest, TokenizeRequest)
-from tandem.runtime import errors
+from tandem.runtime import errors, sampling
 from tandem.runtime.wire import SamplingParams
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_N = 64
 MAX_PROMPTS = 64
 MAX_CHOICES = 256
-MAX_LOGPROBS = 20
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 8192
-MAX_LOGIT_BIAS = 4096  # entries
 MAX_PROMPT_CHARS = 4_000_000  # every prompt or message of a request together: past it, 413
 SEED_MOD = 2**63
 
@@ -80,12 +77,10 @@ def _bad(message: str, param: str) -> errors.BadRequest:
     return errors.BadRequest(message, param=param)
 
 
-def _range(value: float | None, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
-    if value is None:
-        return
-    if not (lo < value if lo_open else lo <= value) or not value <= hi:
-        left = "(" if lo_open else "["
-        raise _bad(f"{param} must be in {left}{lo:g}, {hi:g}], got {value}.", param)
+def _check(why: str | None, param: str) -> None:
+    """A limit of tandem.runtime.sampling, applied to the request's field `param`."""
+    if why is not None:
+        raise _bad(why + ".", param)
 
 
 @dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs ~2 µs per request)
@@ -125,14 +120,12 @@ def _check_common(req: GenerateRequest, max_tokens: int | None, max_tokens_param
         raise _bad(f"n must be between 1 and {MAX_N}, got {n}.", "n")
     if max_tokens is not None and max_tokens < 1:
         raise _bad(f"{max_tokens_param} must be at least 1, got {max_tokens}.", max_tokens_param)
-    _range(req.temperature, 0.0, 1e6, "temperature")
-    _range(req.top_p, 0.0, 1.0, "top_p", lo_open=True)
+    for name in sampling.RANGES:  # temperature, top_p, min_p and the penalties
+        value = getattr(req, name)
+        if value is not None:
+            _check(sampling.range_error(name, value), name)
     if req.top_k is not None and req.top_k < -1:
         raise _bad(f"top_k must be -1 (disabled) or at least 0, got {req.top_k}.", "top_k")
-    _range(req.min_p, 0.0, 1.0, "min_p")
-    _range(req.presence_penalty, -2.0, 2.0, "presence_penalty")
-    _range(req.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-    _range(req.repetition_penalty, 0.0, 1e6, "repetition_penalty", lo_open=True)
     min_tokens = req.min_tokens or 0
     if min_tokens < 0:
         raise _bad(f"min_tokens must be non-negative, got {min_tokens}.", "min_tokens")
@@ -147,14 +140,10 @@ def _check_common(req: GenerateRequest, max_tokens: int | None, max_tokens_param
             raise _bad("stop strings must not be empty.", "stop")
         if len(s) > MAX_STOP_CHARS:
             raise _bad(f"A stop string has at most {MAX_STOP_CHARS} characters.", "stop")
-    ids = req.stop_token_ids or ()
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise _bad(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids.", "stop_token_ids")
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise _bad(f"stop_token_ids: {t} is not a token id of this model (vocabulary "
-                       f"[0, {vocab_size})).", "stop_token_ids")
-    _check_logit_bias(req.logit_bias, vocab_size)
+    if req.stop_token_ids:
+        _check(sampling.stop_ids_error(req.stop_token_ids, vocab_size), "stop_token_ids")
+    if req.logit_bias:
+        _check(sampling.logit_bias_error(req.logit_bias, vocab_size), "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                    "stream_options")
@@ -165,20 +154,6 @@ def _check_common(req: GenerateRequest, max_tokens: int | None, max_tokens_param
     if rf is not None and rf.type != "text":
         raise _bad(f"response_format {rf.type!r} is not supported: no engine of this server "
                    f"constrains its output; only 'text' is.", "response_format")
-
-
-def _check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
-    if not bias:
-        return
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise _bad(f"logit_bias has at most {MAX_LOGIT_BIAS} entries.", "logit_bias")
-    for token, value in bias.items():
-        if not 0 <= token < vocab_size:
-            raise _bad(f"logit_bias: {token} is not a token id of this model (vocabulary "
-                       f"[0, {vocab_size})).", "logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise _bad(f"logit_bias values must be in [-100, 100], got {value} for token "
-                       f"{token}.", "logit_bias")
 
 
 def stops_of(req: GenerateRequest) -> tuple[str, ...]:
@@ -209,9 +184,7 @@ def validate_chat(req: ChatCompletionRequest, vocab_size: int = 2**63) -> list[d
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise _bad("top_logprobs needs logprobs to be true.", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise _bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
-                       "top_logprobs")
+        _check(sampling.logprobs_error(req.top_logprobs, "top_logprobs"), "top_logprobs")
     if req.tools and req.tool_choice != "none":
         raise _bad("Tool calling is not supported by this server: send no tools, or "
                    "tool_choice 'none'.", "tools")
@@ -262,8 +235,8 @@ def validate_completion(req: CompletionRequest, vocab_size: int = 2**63
                         ) -> list[str | list[int]]:
     """Check a completions request; return its prompts (one or more), each text or token ids."""
     _check_common(req, req.max_tokens, "max_tokens", vocab_size)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise _bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.", "logprobs")
+    if req.logprobs is not None:
+        _check(sampling.logprobs_error(req.logprobs), "logprobs")
     if req.echo and req.logprobs is not None:
         raise _bad("echo with logprobs is not supported (prompt logprobs are not computed).",
                    "echo")
