@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,31 @@ def write_model_dir(path: Path, tokenizer: Tokenizer | None = None,
         cfg["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return path
+
+
+async def next_delta(c: DeltaCollector) -> Delta:
+    """The collector's next (merged) delta, read as the response loop reads it (a listener, then
+    `take`); raises the request's failure once nothing is pending."""
+    while True:
+        d = c.take()
+        if d is not None:
+            return d
+        woken = asyncio.get_running_loop().create_future()
+        c.listen(lambda: woken.done() or woken.set_result(None))
+        try:
+            await woken
+        finally:
+            c.unlisten()
+
+
+async def deltas_of(handle: Any) -> AsyncIterator[Delta]:
+    """A request's deltas to its last (the finish, or an error delta: its kind is the caller's to
+    map), read as the response loop reads them; a router failure is raised."""
+    while True:
+        d = await next_delta(handle.collector)
+        yield d
+        if d.finish_reason is not None:
+            return
 
 
 class ServerCallsStub:

@@ -15,6 +15,7 @@ pytest.importorskip("nixl")
 from tandem.router.pool import WorkerPool  # noqa: E402
 from tandem.runtime.wire import SamplingParams  # noqa: E402
 from tests.cluster import Cluster, free_port  # noqa: E402
+from tests.fakes import next_delta  # noqa: E402
 
 PAGE = 16
 LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 100, 127, 128, 129, 200, 256, 257]
@@ -39,7 +40,7 @@ def sampling(i: int, seeded: bool) -> SamplingParams:
 async def run_all(addresses: list[str], concurrency: int, seeded: bool) -> list[list[int]]:
     pool = WorkerPool(addresses)
     await pool.start(wait_s=60)
-    assert pool.ready(), [c.address for c in pool.clients]
+    assert pool.ready(), [c.address for c in pool.links]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, ids: list[int]) -> list[int]:
@@ -47,7 +48,7 @@ async def run_all(addresses: list[str], concurrency: int, seeded: bool) -> list[
             got: list[int] = []
             async with pool.open(ids, sampling(i, seeded)) as handle:
                 while True:
-                    d = await handle.collector.get()  # raises if the request failed
+                    d = await next_delta(handle.collector)  # raises if the request failed
                     got += d.token_ids
                     if d.finish_reason is not None:
                         assert d.finish_reason != "error", d.error

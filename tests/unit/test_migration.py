@@ -15,7 +15,7 @@ from tandem.router.pool import WorkerPool
 from tandem.runtime import errors, wire
 from tandem.runtime.wire import (Abort, Delta, Deltas, ErrorKind, Generate, Generates, Load,
                                  LoadQuery, LoadReport, SamplingParams, Usage)
-from tests.fakes import MemoryWorkers, memory_pool
+from tests.fakes import MemoryWorkers, deltas_of, memory_pool, next_delta
 
 SP = SamplingParams(max_tokens=6, seed=7, min_tokens=3)
 PROMPT = [1, 2, 3]
@@ -54,7 +54,7 @@ async def test_agg_request_moves_to_a_survivor_with_no_gap_and_no_duplicate() ->
     h = await placed(pool)
     assert h.workers == (w0.address,)
     w0.on_deltas(Deltas([Delta(h.rid, 0, [10, 11])]))
-    first = await h.__anext__()
+    first = await next_delta(h.collector)
     assert (first.offset, first.token_ids) == (0, [10, 11])
     w0.on_disconnected()  # the worker died mid-stream
     await settle()
@@ -64,7 +64,7 @@ async def test_agg_request_moves_to_a_survivor_with_no_gap_and_no_duplicate() ->
     assert g.rid != h.rid and h.workers == (w1.address,)
     w1.on_deltas(Deltas([Delta(g.rid, 0, [12])]))
     w1.on_deltas(Deltas([Delta(g.rid, 1, [13, 14, 15], "length", Usage(5, 4))]))
-    rest = [d async for d in h]
+    rest = [d async for d in deltas_of(h)]
     assert [(d.offset, d.token_ids) for d in rest] == [(2, [12, 13, 14, 15])]
     assert rest[-1].finish_reason == "length" and rest[-1].rid == h.rid
     assert rest[-1].usage == Usage(3, 6)  # as if one worker had served it all
@@ -82,7 +82,7 @@ async def test_moves_are_bounded_then_the_request_fails_clearly() -> None:
     assert len(h.workers) == 1 and h.workers[0] != w0.address
     pool.link(h.workers[0]).on_disconnected()  # type: ignore[union-attr]
     with pytest.raises(errors.WorkerLost, match="moved 1 time"):
-        await asyncio.wait_for(h.__anext__(), 2)
+        await asyncio.wait_for(next_delta(h.collector), 2)
     await h.__aexit__(None, None, None)
 
 
@@ -91,7 +91,7 @@ async def test_no_moves_when_max_migrations_is_zero() -> None:
     h = await placed(pool)
     pool.links[0].on_disconnected()
     with pytest.raises(errors.WorkerLost):
-        await asyncio.wait_for(h.__anext__(), 2)
+        await asyncio.wait_for(next_delta(h.collector), 2)
     assert generates(workers, pool.links[1].address) == []
 
 
@@ -100,7 +100,7 @@ async def test_an_engine_error_is_not_moved() -> None:
     w0, w1 = pool.links
     h = await placed(pool)
     w0.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="bad", error_kind=ErrorKind.ENGINE)]))
-    d = await h.__anext__()
+    d = await next_delta(h.collector)
     assert d.finish_reason == "error" and d.error_kind == ErrorKind.ENGINE
     await settle()
     assert generates(workers, w1.address) == []
@@ -115,7 +115,7 @@ async def test_pd_decode_lost_moves_to_a_new_pair_with_a_new_room() -> None:
     [g0] = generates(workers, p.address)
     p.on_deltas(Deltas([Delta(h.rid, 0, [10], "length", Usage(3, 1))]))  # prefill done
     d0.on_deltas(Deltas([Delta(h.rid, 0, [10, 11, 12])]))
-    assert (await h.__anext__()).token_ids == [10, 11, 12]
+    assert (await next_delta(h.collector)).token_ids == [10, 11, 12]
     d0.on_disconnected()
     await settle()
     [g1] = generates(workers, d1.address)
@@ -125,7 +125,7 @@ async def test_pd_decode_lost_moves_to_a_new_pair_with_a_new_room() -> None:
     assert g1.bootstrap.room != g0.bootstrap.room
     p.on_deltas(Deltas([Delta(g1.rid, 0, [13], "length", Usage(6, 1))]))
     d1.on_deltas(Deltas([Delta(g1.rid, 0, [13, 14, 15], "length", Usage(6, 3))]))
-    rest = [x async for x in h]
+    rest = [x async for x in deltas_of(h)]
     assert [(x.offset, x.token_ids) for x in rest] == [(3, [13, 14, 15])]
     await h.__aexit__(None, None, None)
     assert p.num_in_flight == d1.num_in_flight == 0
@@ -150,7 +150,7 @@ async def test_a_request_that_gets_nothing_fails_at_its_deadline_and_is_aborted(
     pool, workers = memory_pool(["agg"], request_timeout_s=0.05)
     h = await placed(pool)  # the worker never answers (a Generates lost on the way)
     with pytest.raises(DeadlineExceeded, match="did not finish within 0.05s"):
-        await asyncio.wait_for(h.__anext__(), 2)
+        await asyncio.wait_for(next_delta(h.collector), 2)
     assert aborts(workers, pool.links[0].address) == [h.rid]
     assert pool.links[0].num_in_flight == 0
     assert metric(pool, "tandem_request_deadline_exceeded_total") == 1
@@ -162,7 +162,7 @@ async def test_a_finished_request_is_not_failed_by_its_deadline() -> None:
     h = await placed(pool)
     pool.links[0].on_deltas(Deltas([Delta(h.rid, 0, [5], "length", Usage(3, 1))]))
     await asyncio.sleep(0.1)
-    assert [d.token_ids async for d in h] == [[5]]
+    assert [d.token_ids async for d in deltas_of(h)] == [[5]]
 
 
 class Clock:

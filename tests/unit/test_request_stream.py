@@ -14,7 +14,7 @@ from tandem.router.request import RequestHandle
 from tandem.runtime import errors, wire
 from tandem.runtime.wire import (Abort, Credit, Delta, Deltas, ErrorKind, Generates, Hello,
                                  LoadQuery, SamplingParams, Usage)
-from tests.fakes import MemoryWorkers, memory_pool
+from tests.fakes import MemoryWorkers, deltas_of, memory_pool, next_delta
 
 SP = SamplingParams(max_tokens=4)
 
@@ -35,10 +35,10 @@ async def test_in_order_deltas_pass_merge_while_unread_and_finish_ends_iteration
     link = pool.links[0]
     async with await placed(pool) as h:
         link.on_deltas(Deltas([Delta(h.rid, 0, [1, 2])]))
-        assert [d.token_ids for d in [await h.__anext__()]] == [[1, 2]]
+        assert [d.token_ids for d in [await next_delta(h.collector)]] == [[1, 2]]
         link.on_deltas(Deltas([Delta(h.rid, 2, [3])]))
         link.on_deltas(Deltas([Delta(h.rid, 3, [4], "length", Usage(1, 4))]))
-        got = [(d.token_ids, d.finish_reason) async for d in h]
+        got = [(d.token_ids, d.finish_reason) async for d in deltas_of(h)]
     assert got == [([3, 4], "length")]  # the reader lagged: one merged delta
     assert aborts(workers, link.address) == [] and link.num_in_flight == 0
 
@@ -50,8 +50,8 @@ async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset: int) -> Non
     with pytest.raises(errors.StreamProtocolError):
         async with await placed(pool) as h:
             link.on_deltas(Deltas([Delta(h.rid, 0, [1, 2]), Delta(h.rid, second_offset, [3])]))
-            assert (await h.__anext__()).token_ids == [1, 2]  # what came before is kept
-            await h.__anext__()
+            assert (await next_delta(h.collector)).token_ids == [1, 2]  # what came before is kept
+            await next_delta(h.collector)
     assert link.protocol_errors == 1
     assert aborts(workers, link.address) == [h.rid]
 
@@ -62,7 +62,7 @@ async def test_error_delta_reaches_the_reader_with_its_kind(kind: ErrorKind) -> 
     link = pool.links[0]
     async with await placed(pool) as h:
         link.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="nope", error_kind=kind)]))
-        got = [d async for d in h]
+        got = [d async for d in deltas_of(h)]
     assert [(d.finish_reason, d.error_kind, d.error) for d in got] == [("error", kind, "nope")]
     assert aborts(workers, link.address) == []  # the worker ended it itself
 
@@ -72,13 +72,13 @@ async def test_leaving_early_aborts_and_worker_loss_raises() -> None:
     link = pool.links[0]
     async with await placed(pool) as h:
         link.on_deltas(Deltas([Delta(h.rid, 0, [1])]))
-        async for _ in h:
+        async for _ in deltas_of(h):
             break
     assert aborts(workers, link.address) == [h.rid] and link.num_in_flight == 0
     with pytest.raises(errors.WorkerLost):
         async with await placed(pool) as h2:
             link.on_disconnected()
-            await h2.__anext__()
+            await next_delta(h2.collector)
     assert aborts(workers, link.address) == [h.rid]  # nothing to abort on a lost worker
 
 
@@ -90,7 +90,7 @@ async def test_pd_prefill_error_fails_the_request_and_aborts_decode() -> None:
         d.on_deltas(Deltas([Delta(h.rid, 0, [5])]))
         p.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="no room",
                                   error_kind=ErrorKind.KV_TRANSFER)]))
-        got = [x async for x in h]
+        got = [x async for x in deltas_of(h)]
     assert [(x.token_ids, x.finish_reason, x.error_kind) for x in got] == [
         ([5], "error", ErrorKind.KV_TRANSFER)]  # the text before the failure is kept
     assert "prefill failed: no room" in got[0].error
@@ -104,7 +104,7 @@ async def test_pd_lost_prefill_worker_fails_the_request_and_aborts_decode() -> N
     with pytest.raises(errors.WorkerLost, match="prefill failed"):
         async with await placed(pool) as h:
             p.on_disconnected()
-            await h.__anext__()
+            await next_delta(h.collector)
     assert aborts(workers, d.address) == [h.rid] and d.num_in_flight == 0
 
 
@@ -114,7 +114,7 @@ async def test_pd_decode_failure_aborts_prefill() -> None:
     with pytest.raises(errors.WorkerLost):
         async with await placed(pool) as h:
             d.on_disconnected()
-            await h.__anext__()
+            await next_delta(h.collector)
     assert aborts(workers, p.address) == [h.rid] and p.num_in_flight == 0
 
 
@@ -124,7 +124,7 @@ async def test_pd_prefill_finishing_lets_decode_go_on() -> None:
     async with await placed(pool) as h:
         p.on_deltas(Deltas([Delta(h.rid, 0, [5], "length", Usage(3, 1))]))
         d.on_deltas(Deltas([Delta(h.rid, 0, [5, 6], "length", Usage(3, 2))]))
-        got = [x.token_ids async for x in h]
+        got = [x.token_ids async for x in deltas_of(h)]
     assert got == [[5, 6]]
     assert aborts(workers, p.address) == aborts(workers, d.address) == []
 
@@ -158,7 +158,7 @@ async def test_handshake_heartbeat_deadline_and_coming_back() -> None:
     link.tick()  # silent for 4s: down, its requests fail
     assert link.state == "down" and not pool.ready()
     with pytest.raises(errors.WorkerLost):
-        await h.__anext__()
+        await next_delta(h.collector)
     link.tick()
     assert isinstance(workers.sent(link.address)[-1], Hello)  # says hello again
     link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, link.info))
@@ -201,7 +201,7 @@ async def test_a_full_channel_fails_the_requests_placed_on_it() -> None:
     await h.__aenter__()
     await asyncio.sleep(0)
     with pytest.raises(errors.Unavailable):
-        await h.__anext__()
+        await next_delta(h.collector)
     assert link.num_in_flight == 0
 
 
@@ -213,7 +213,7 @@ async def test_the_links_tasks_feed_it_from_the_channel() -> None:
         h = await placed(pool)
         end = workers.ends[link.address]
         end.send_nowait(Deltas([Delta(h.rid, 0, [9], "length", Usage(1, 1))]))
-        got = [d.token_ids async for d in h]
+        got = [d.token_ids async for d in deltas_of(h)]
         assert got == [[9]]
         end.disconnect()  # the connection drops: down at once
         for _ in range(5):

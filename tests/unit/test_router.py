@@ -16,7 +16,7 @@ from tandem.router.request import RequestHandle
 from tandem.runtime import errors
 from tandem.runtime.wire import Abort, Delta, Deltas, Generates, Load, LoadReport, Usage
 from tandem.runtime.wire import SamplingParams
-from tests.fakes import memory_pool
+from tests.fakes import deltas_of, memory_pool
 
 PAGE = 4
 SP = SamplingParams(max_tokens=4)
@@ -75,7 +75,7 @@ async def test_round_robin_skips_a_full_worker():
 
 async def test_least_loaded_prefers_fewest_in_flight_then_fewest_tokens():
     pool = make_pool(["agg"] * 2)
-    w0, w1 = pool.clients
+    w0, w1 = pool.links
     a = await enter(pool, list(range(40)))
     assert worker_of(a) == "tcp://w0"
     assert worker_of(await enter(pool, [1])) == "tcp://w1"  # w0 has one in flight
@@ -142,14 +142,14 @@ async def test_pd_picks_prefill_and_decode_each_within_its_role():
 # --- accounting -----------------------------------------------------------------------------------
 async def test_accounting_follows_a_request_from_start_to_end():
     pool = make_pool(["agg"])
-    c = pool.clients[0]
+    c = pool.links[0]
     s = await enter(pool, list(range(10)))
     assert (c.pending_prefill_tokens, c.active_decode_tokens, c.num_in_flight) == (10, 10, 1)
     c.on_deltas(Deltas([Delta(s.rid, 0, [1, 2])]))
     assert (c.pending_prefill_tokens, c.active_decode_tokens) == (0, 12)
     finish(c, s.rid, 2)
     # not read yet: the collector merged both deltas into one
-    got = [d.token_ids async for d in s]
+    got = [d.token_ids async for d in deltas_of(s)]
     assert got == [[1, 2, 7]]
     await s.__aexit__(None, None, None)
     assert (c.pending_prefill_tokens, c.active_decode_tokens, c.num_in_flight) == (0, 0, 0)
@@ -163,7 +163,7 @@ async def test_accounting_follows_a_request_from_start_to_end():
 
 async def test_pd_accounting_prefill_on_p_decode_on_d():
     pool = make_pool(["prefill", "decode"])
-    p, d = pool.clients
+    p, d = pool.links
     s = await enter(pool, list(range(8)))
     assert (p.pending_prefill_tokens, p.active_decode_tokens) == (8, 0)
     assert (d.pending_prefill_tokens, d.active_decode_tokens) == (0, 8)
@@ -174,7 +174,7 @@ async def test_pd_accounting_prefill_on_p_decode_on_d():
 
 async def test_pending_prefill_token_limit_queues_until_a_first_delta():
     pool = make_pool(["agg"], max_pending_prefill_tokens_per_worker=20)
-    c = pool.clients[0]
+    c = pool.links[0]
     a = await enter(pool, list(range(15)))
     waiting = asyncio.create_task(enter(pool, list(range(10))))
     await asyncio.sleep(0.01)
@@ -186,7 +186,7 @@ async def test_pending_prefill_token_limit_queues_until_a_first_delta():
 
 async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
     pool = make_pool(["agg"], pages=10)
-    c = pool.clients[0]
+    c = pool.links[0]
     c.on_load(LoadReport(0, Load(pages_free=2, pages_total=10)))
     waiting = asyncio.create_task(enter(pool, list(range(4 * PAGE))))  # needs 4 pages
     await asyncio.sleep(0.01)
@@ -200,7 +200,7 @@ async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
 # --- admission queue ------------------------------------------------------------------------------
 async def test_queue_is_bounded_and_wakes_in_fifo_order():
     pool = make_pool(["agg"], max_inflight_per_worker=1, max_queue=2, queue_timeout_s=5)
-    c = pool.clients[0]
+    c = pool.links[0]
     first = await enter(pool, [1])
     second = asyncio.create_task(enter(pool, [2]))
     await asyncio.sleep(0)
@@ -237,7 +237,7 @@ async def test_queue_deadline_gives_503_and_leaves_the_queue():
 
 async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
     pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
-    c = pool.clients[0]
+    c = pool.links[0]
     first = await enter(pool, [1])
     gone = asyncio.create_task(enter(pool, [2]))
     await asyncio.sleep(0)
@@ -256,7 +256,7 @@ async def test_cancelled_waiter_leaves_the_queue_and_the_next_is_woken():
 
 async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker():
     pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
-    c = pool.clients[0]
+    c = pool.links[0]
     first = await enter(pool, [1])
     waiter = asyncio.create_task(pool.open([2], SP).__aenter__())
     await asyncio.sleep(0.01)
@@ -271,7 +271,7 @@ async def test_waiter_cancelled_in_the_instant_it_was_placed_releases_the_worker
 
 async def test_a_request_placed_and_left_in_the_same_pass_never_reaches_the_worker():
     pool = make_pool(["agg"])
-    c = pool.clients[0]
+    c = pool.links[0]
     s = pool.open([1], SP)
     await s.__aenter__()  # placed at once (no queue): nothing here yields to the loop
     await s.__aexit__(None, None, None)  # before this loop pass ended: its Generate is still here
@@ -285,7 +285,7 @@ async def test_enter_now_places_at_once_only_when_no_wait_is_needed():
     worker has room (entering then only returns it); otherwise nothing is placed, and entering
     waits in line as before. A handle placed this way is left like an entered one."""
     pool = make_pool(["agg"], max_inflight_per_worker=1, queue_timeout_s=5)
-    c = pool.clients[0]
+    c = pool.links[0]
     first = pool.open([1], SP)
     assert first.enter_now() and first.placed and c.num_in_flight == 1
     assert await asyncio.wait_for(first.__aenter__(), 1) is first  # (no second placement)

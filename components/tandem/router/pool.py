@@ -83,11 +83,6 @@ class WorkerPool:
         self.requests = RequestOptions(self.router, self.registry)  # migration and deadline
 
     @property
-    def clients(self) -> list[WorkerLink]:
-        """The links, in the order of the addresses given."""
-        return self.links
-
-    @property
     def num_queued(self) -> int:
         """Requests waiting in the admission queue."""
         return len(self._admission)

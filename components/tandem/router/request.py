@@ -129,7 +129,7 @@ class Leg(Share):
 
 class RequestHandle:
     __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
-                 "options", "_admit", "_admit_now", "_ended", "_timer", "_moving", "_left")
+                 "options", "_admit", "_admit_now", "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                  admit: Callable[[RequestHandle], Awaitable[Any]], options: RequestOptions,
@@ -144,7 +144,6 @@ class RequestHandle:
         self.options = options
         self._admit = admit
         self._admit_now = admit_now  # admit's no-wait path: placed, or None
-        self._ended = False  # iteration returned the last delta
         self._timer: asyncio.TimerHandle | None = None
         self._moving: asyncio.Task[None] | None = None  # placing it again after a lost worker
         self._left = False  # released: nothing more is placed
@@ -190,19 +189,6 @@ class RequestHandle:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> Delta:
-        """The client's deltas, merged while the reader lags, the last one included (an error
-        delta too: its kind is for the caller to map); a router failure is raised."""
-        if self._ended:
-            raise StopAsyncIteration
-        d = await self.collector.get()
-        if d.finish_reason is not None:
-            self._ended = True
-        return d
 
     def start(self, reader: WorkerLink, prefill: WorkerLink | None = None,
               bootstrap: Bootstrap | None = None) -> None:

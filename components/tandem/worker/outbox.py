@@ -38,7 +38,7 @@ IDLE_S = 0.002  # see Outbox: how long a frontend with nothing in flight counts 
 
 
 class Outbox:
-    __slots__ = ("window", "batch", "in_flight", "idle_since", "last_heard", "_first", "_rest",
+    __slots__ = ("window", "batch", "in_flight", "idle_since", "_first", "_rest",
                  "_open", "_idle_s", "_clock")
 
     def __init__(self, window: int, batch: int = 0, idle_s: float = IDLE_S,
@@ -52,7 +52,6 @@ class Outbox:
         self.in_flight = 0  # messages sent and not credited yet
         self._idle_s, self._clock = idle_s, clock
         self.idle_since = -math.inf  # when in_flight last fell to 0 by credit (never: idle)
-        self.last_heard = time.monotonic()  # when this frontend last sent anything
         self._first: list[Delta] = []  # waiting deltas that start a request's output
         self._rest: list[Delta] = []
         self._open: dict[str, Delta] | None = None  # see _index; None: not built

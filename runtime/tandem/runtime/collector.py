@@ -4,10 +4,10 @@ One collector per request, one reader. `put(delta)` keeps at most ONE pending de
 lags (a slow HTTP client), a new delta is merged into the pending one (tokens appended; the finish,
 usage and error of the newest win), so a slow client never grows a queue and the reader writes one
 fuller chunk instead of many. `fail(err)` ends the request with an error that the reader sees after
-the pending delta (text that arrived before a failure is never lost). The reader either awaits
-`get()` or, to multiplex several collectors in one loop, registers a `listen` callback, told once
-each time the collector turns non-empty, and calls `take()` (or `take_running()`: only a delta
-after which the request goes on).
+the pending delta (text that arrived before a failure is never lost). The reader registers a
+`listen` callback, told once each time the collector turns non-empty (one response loop
+multiplexes a request's several collectors this way), and calls `take()` (or `take_running()`:
+only a delta after which the request goes on).
 
 Offsets are not checked here: the request handle checks them before `put` (ARCHITECTURE.md,
 "The path of a request").
@@ -15,22 +15,19 @@ Offsets are not checked here: the request handle checks them before `put` (ARCHI
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.wire import Delta
 
 
 class DeltaCollector:
-    __slots__ = ("_delta", "_owned", "_failure", "_signalled", "_waiter", "_listener")
+    __slots__ = ("_delta", "_owned", "_failure", "_signalled", "_listener")
 
     def __init__(self) -> None:
         self._delta: Delta | None = None
         self._owned = False  # _delta is a copy made by a merge (safe to extend in place)
         self._failure: BaseException | None = None
         self._signalled = False  # the reader was told there is something, and has not taken it
-        self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None
 
     @property
@@ -86,21 +83,8 @@ class DeltaCollector:
             raise self._failure
         return None
 
-    async def get(self) -> Delta:
-        """Wait for the next (merged) delta; raise the failure once nothing is pending."""
-        while True:
-            d = self.take()
-            if d is not None:
-                return d
-            self._waiter = running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
     def listen(self, on_ready: Callable[[], None]) -> None:
-        """Call `on_ready()` (instead of waking `get`) each time this collector turns ready;
-        at once if it already is."""
+        """Call `on_ready()` each time this collector turns ready; at once if it already is."""
         self._listener = on_ready
         if self.ready:  # (a signal before now went to no one)
             self._signal()
@@ -114,7 +98,3 @@ class DeltaCollector:
         listener = self._listener
         if listener is not None:
             listener()
-            return
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
