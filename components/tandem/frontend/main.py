@@ -18,7 +18,7 @@ from tandem.frontend.server import serve
 from tandem.router.discovery import Discovery
 from tandem.router.pool import WorkerPool
 from tandem.runtime import auth, lifecycle, transport
-from tandem.runtime.config import HELLO_TIMEOUT_S
+from tandem.runtime.config import STARTUP_WAIT_S
 
 
 def run_frontend(cfg: FrontendConfig) -> None:
@@ -32,7 +32,7 @@ async def _main(cfg: FrontendConfig, stop: asyncio.Event) -> None:
     try:
         await discovery.start()  # the first set, added to the pool before anything connects
         # Serve at once; workers that are not up yet join when they answer the handshake.
-        await pool.start(wait_s=HELLO_TIMEOUT_S if not stop.is_set() else 0)
+        await pool.start(wait_s=STARTUP_WAIT_S if not stop.is_set() else 0)
         lifecycle.tune_gc()
         await serve(cfg, pool, stop)
     finally:

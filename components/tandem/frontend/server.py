@@ -7,15 +7,10 @@ so the app and the worker pool share one loop. Two interchangeable backends, bot
   thread, so the Python thread spends less per streamed token. granian's docs still call embedded
   mode experimental.
 
-Chosen by measurement, in two steps. In isolation (perf/bench_http_servers.py,
-perf/results/http_servers*.md) granian streamed 1.68x (raw SSE) and 1.16x (tandem's app over a
-fake pool) the tokens/s of uvicorn at about the same total CPU, with 0.6-0.7x the CPU on the Python
-thread. But end to end — frontend + mock worker + load client on one idle 2-core machine
-(perf/results/ttft_by_http_server.md) — uvicorn streamed 1.26x (c=256) and 1.32x (c=2048) the
-tokens/s at 0.80x the CPU-µs per token (33.5 vs 41.8); granian's Rust threads compete for the
-same cores. granian kept TTFT growth lower (4.6x vs 7.9x from 256 to 2048 streams). Throughput
-per CPU-µs is what this project optimises, so uvicorn is the default; `--http-server granian`
-switches. Both backends pass the same live tests (tests/unit/test_frontend_server.py: streaming,
+Chosen by measurement (perf/results/http_servers*.md in isolation, ttft_by_http_server.md end to
+end): granian spends less on the Python thread, but end to end on a small machine its Rust threads
+compete for the same cores, and uvicorn streamed more tokens per CPU-µs. Throughput per CPU-µs is
+what this project optimises, so uvicorn is the default; `--http-server granian` switches. Both backends pass the same live tests (tests/unit/test_frontend_server.py: streaming,
 disconnect, drain, a client that does not read). The app is plain ASGI 3.
 
 Shutdown is graceful on both: new requests get 503 and /health turns 503, in-flight requests get

@@ -83,7 +83,7 @@ def _check(why: str | None, param: str) -> None:
         raise _bad(why + ".", param)
 
 
-@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs ~2 µs per request)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs more, per request)
 class Options:
     """What the frontend itself does for a request (the engine never sees these)."""
 

@@ -48,7 +48,7 @@ from tandem.runtime.wire import (
 
 log = logging.getLogger("tandem.kv")
 
-HELLO_TIMEOUT_S = 10.0
+KV_HELLO_TIMEOUT_S = 10.0  # a prefill bootstrap must answer a decode worker's KvHello within
 QUARANTINE_GRACE_S = 2.0
 
 __all__ = ["DecodeSide", "Destination", "KvHandoffError", "PrefillSide", "QUARANTINE_GRACE_S"]
@@ -183,11 +183,11 @@ class DecodeSide:
             reply = conn.hello.result()  # swallow a cancel made during its one loop pass).
         else:
             try:
-                reply = await asyncio.wait_for(asyncio.shield(conn.hello), HELLO_TIMEOUT_S)
+                reply = await asyncio.wait_for(asyncio.shield(conn.hello), KV_HELLO_TIMEOUT_S)
             except asyncio.TimeoutError:
                 self._drop(conn, "no bootstrap hello reply")
                 raise KvHandoffError(f"prefill bootstrap {address} did not answer within "
-                                     f"{HELLO_TIMEOUT_S:.0f}s") from None
+                                     f"{KV_HELLO_TIMEOUT_S:.0f}s") from None
         if not reply.ok:
             raise KvHandoffError(f"prefill bootstrap {address} refused us: {reply.error}")
         return conn

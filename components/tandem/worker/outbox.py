@@ -15,8 +15,8 @@ the rest wait (and keep merging) for a later message, oldest first, so every req
 Together with the window this bounds what a frontend holds unprocessed while it lags at window x
 batch deltas, whatever the number of streams: the frontend's event loop passes stay short, a new
 request's first token never waits behind one delta of every live stream, and an overloaded
-frontend gets fewer, fuller deltas (at 1024 unpaced streams on 2 cores, a batch of 256 instead of
-64 cost 1.2x the frontend CPU per token). A frontend that keeps up (nothing in flight, its last
+frontend gets fewer, fuller deltas (how the batch was chosen: commit e8cd4d4, and
+perf/results/sweep.md, run 4). A frontend that keeps up (nothing in flight, its last
 credit at least `idle_s` ago: not a send that its credit just released) takes everything that
 waits in one message, so a paced engine's step is one message, not one per `batch` deltas (each
 ZMQ send costs the worker tens of µs). Deltas that carry a request's first token (offset 0) always go

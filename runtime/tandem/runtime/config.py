@@ -3,7 +3,9 @@ router, mock timing) and their flags live in tandem.config."""
 
 from __future__ import annotations
 
-HELLO_TIMEOUT_S = 5.0  # a worker that does not answer the handshake in time is not used
+# How long a starting frontend waits for its workers' handshakes before it serves (a worker that
+# answers later is used from then on).
+STARTUP_WAIT_S = 5.0
 HEARTBEAT_INTERVAL_S = 0.5  # the frontend asks every worker for its load this often
 HEARTBEAT_DEADLINE_S = 3.0  # no answer for this long: the worker is down, its requests fail
 LOAD_QUERY_TIMEOUT_S = 1.0
