@@ -14,6 +14,7 @@ import pytest
 
 from tandem.config import FrontendConfig
 from tandem.frontend.app import FrontendApp
+from tandem.frontend.choice import ChoiceState, RichChoiceState
 from tandem.frontend.preprocess import Preprocessor
 from tandem.router.request import Leg, RequestHandle
 from tandem.runtime import wire
@@ -46,16 +47,18 @@ async def _request(app: FrontendApp, body: bytes, nowait: bool) -> list[bytes]:
     return out
 
 
+@pytest.mark.parametrize("rich", [False, True], ids=["text", "logprobs"])
 @pytest.mark.parametrize("nowait", [True, False], ids=["push", "task"])
-async def test_a_finished_request_leaves_no_reference_cycle(pre: Preprocessor,
-                                                           nowait: bool) -> None:
+async def test_a_finished_request_leaves_no_reference_cycle(pre: Preprocessor, nowait: bool,
+                                                           rich: bool) -> None:
     pool, workers = memory_pool(["agg"], pages=1 << 12, page_size=16)
     app = FrontendApp(FrontendConfig(model="/models/tiny", served_model_name="tiny"), pool, pre)
     link = pool.links[0]
     body = json.dumps({"prompt": "the cat", "max_tokens": TOKENS, "stream": True,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, **({"logprobs": 1} if rich else {})}).encode()
     gc.collect()
-    before = _live(RequestHandle, Leg, DeltaCollector)
+    kinds = (RequestHandle, Leg, DeltaCollector, ChoiceState, RichChoiceState)
+    before = _live(*kinds)
     gc.disable()
     try:
         tasks = [asyncio.ensure_future(_request(app, body, nowait)) for _ in range(3)]
@@ -68,7 +71,9 @@ async def test_a_finished_request_leaves_no_reference_cycle(pre: Preprocessor,
             last = k == TOKENS - 1
             link.on_message(wire.Deltas([
                 wire.Delta(rid, k, [7 + k], "length" if last else None,
-                           wire.Usage(2, TOKENS) if last else None) for rid in rids]))
+                           wire.Usage(2, TOKENS) if last else None,
+                           logprobs=[wire.TokenLogprobs(7 + k, -0.5, [(7 + k, -0.5)])]
+                           if rich else None) for rid in rids]))
             for _ in range(3):
                 await asyncio.sleep(0)
         bodies = await asyncio.wait_for(asyncio.gather(*tasks), 5)
@@ -76,6 +81,6 @@ async def test_a_finished_request_leaves_no_reference_cycle(pre: Preprocessor,
         del tasks
         await asyncio.sleep(0)
         # Every request object went with its last reference: none waits for the collector.
-        assert _live(RequestHandle, Leg, DeltaCollector) == before
+        assert _live(*kinds) == before
     finally:
         gc.enable()

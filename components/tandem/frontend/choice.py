@@ -9,6 +9,7 @@ one a choice gets when its chunks carry more than text (logprobs, usage in every
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -152,11 +153,14 @@ class RichChoiceState(ChoiceState):
     """A choice whose response carries more than text: its tokens' logprobs (streamed with the
     chunk that carries them, or all in the body) and/or the usage so far in every chunk."""
 
-    __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous")
+    __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous",
+                 "__weakref__")
 
     def __init__(self, job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
                  created: int) -> None:
-        enc = sse.RichChunkEncoder(job.kind, rid, created, job.model, index, self) \
+        # The encoder asks this state for each chunk's extras through a weak proxy: no reference
+        # cycle, so a finished request is freed at once, not by the garbage collector.
+        enc = sse.RichChunkEncoder(job.kind, rid, created, job.model, index, weakref.proxy(self)) \
             if job.stream else None
         super().__init__(spec.detokenizer, enc, job.interval, job.kind == "chat", spec.echo)
         self.kind = job.kind
