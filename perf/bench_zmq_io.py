@@ -49,12 +49,12 @@ async def _pyzmq(msg: wire._Tagged, n: int) -> float:
     async def receive(count: int) -> None:
         for _ in range(count):
             parts = await router.recv_multipart()
-            decoder.decode(parts[1], parts[2])
+            decoder.decode(parts[1])
 
     async def send(count: int) -> None:
         for i in range(count):
-            t, payload = wire.encode(msg)
-            fut: Any = dealer.send_multipart([t, payload], flags=zmq.NOBLOCK, copy=True)
+            payload = wire.encode(msg)
+            fut: Any = dealer.send_multipart([payload], flags=zmq.NOBLOCK, copy=True)
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()
             if i % BURST == BURST - 1:

@@ -44,14 +44,14 @@ async def _run(requests: int, tokens: int, concurrency: int, model_dir: str) -> 
     def flush_generates() -> None:
         items = list(pending)
         pending.clear()
-        t, payload = wire.encode(Generates(items))
-        msg = wire.TO_WORKER.decode(t, payload)
+        payload = wire.encode(Generates(items))
+        msg = wire.TO_WORKER.decode(payload)
         server._dispatch(ident, msg)
 
     class Server(WorkerServer):
         def _send(self, to: bytes, msg: Any) -> None:
-            t, payload = wire.encode(msg)
-            back = wire.TO_FRONTEND.decode(t, payload)  # (the frontend's side of the wire)
+            payload = wire.encode(msg)
+            back = wire.TO_FRONTEND.decode(payload)  # (the frontend's side of the wire)
             if isinstance(back, Deltas):
                 loop.call_soon(self._dispatch, to, Credit(1))
                 for d in back.items:

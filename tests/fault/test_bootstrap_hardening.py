@@ -49,11 +49,11 @@ class Decode:
         self.name = identity.decode()
 
     async def send(self, msg: wire._Tagged) -> None:
-        await self.sock.send_multipart(list(wire.encode(msg)))
+        await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToDecode:
         parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return wire.TO_DECODE.decode(parts[0], parts[1])
+        return wire.TO_DECODE.decode(parts[0])
 
     async def hello(self, num_pages: int = 32, page_bytes: int = PAGE_BYTES,
                     metadata: bytes | None = None) -> KvHelloReply:

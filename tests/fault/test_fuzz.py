@@ -94,14 +94,14 @@ def _frames(rng: random.Random, tags: list[int]) -> list[bytes]:
     if kind == 0:
         return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
     if kind == 1:
-        return [tag, rng.randbytes(rng.randint(0, 256))]
-    if kind == 2:  # the right tag, a string field holding invalid UTF-8
-        return [tag, bytes([0x93, tag[0], 0x03, 0xA2, 0xFF, 0xFE])]
+        return [tag + rng.randbytes(rng.randint(0, 256))]
+    if kind == 2:  # a known tag, a string field holding invalid UTF-8
+        return [bytes([0x93, tag[0], 0x03, 0xA2, 0xFF, 0xFE])]
     if kind == 3:  # a well-formed array of random shape
-        return [tag, msgspec.msgpack.encode([tag[0], rng.random(), "x" * rng.randint(0, 9),
-                                             [rng.randint(-2**63, 2**64 - 1)]])]
-    if kind == 4:  # type byte and payload tag disagree
-        return [bytes([tags[0]]), msgspec.msgpack.encode([tags[-1], 1])]
+        return [msgspec.msgpack.encode([tag[0], rng.random(), "x" * rng.randint(0, 9),
+                                        [rng.randint(-2**63, 2**64 - 1)]])]
+    if kind == 4:  # a tag no message has
+        return [msgspec.msgpack.encode([max(tags) + 1, 1])]
     return [tag]
 
 
@@ -115,7 +115,7 @@ def _zmq_garbage(address: str, rng: random.Random, n: int, tags: list[int],
         sock.connect(address)
         for i in range(50):
             if structured and i % 5 == 0:
-                sock.send_multipart(list(wire.encode(rng.choice(structured))))
+                sock.send_multipart([wire.encode(rng.choice(structured))])
             else:
                 sock.send_multipart(_frames(rng, tags))
         time.sleep(0.05)

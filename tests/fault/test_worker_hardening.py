@@ -70,11 +70,11 @@ class Peer:
         self.sock.connect(address)
 
     async def send(self, msg: wire._Tagged) -> None:
-        await self.sock.send_multipart(list(wire.encode(msg)))
+        await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
         parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return wire.TO_FRONTEND.decode(parts[0], parts[1])
+        return wire.TO_FRONTEND.decode(parts[0])
 
     async def hello(self) -> None:
         await self.send(Hello(wire.PROTOCOL_VERSION, "raw"))
@@ -220,7 +220,7 @@ async def test_refusals_are_on_the_health_port_metrics(mock_dir: str) -> None:
     async with worker(mock_dir) as (server, _engine, address):
         fe = Peer(address, b"fe")
         await fe.hello()
-        await fe.sock.send_multipart([bytes([1]), bytes([0x93, 1, 0x03, 0xA2, 0xFF, 0xFE])])
+        await fe.sock.send_multipart([bytes([0x93, 1, 0x03, 0xA2, 0xFF, 0xFE])])
         await fe.send(Generates([BAD["empty"]]))
         await fe.until_finished({"b4"})
         reg = worker_registry(lambda: server.num_requests, lambda: server.draining)

@@ -44,11 +44,11 @@ class Frontend:
     async def send(self, msg: wire._Tagged | Generate) -> None:
         if isinstance(msg, Generate):  # one request: a Generates of one
             msg = wire.Generates([msg])
-        await self.sock.send_multipart(list(wire.encode(msg)))
+        await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
         parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return wire.TO_FRONTEND.decode(parts[0], parts[1])
+        return wire.TO_FRONTEND.decode(parts[0])
 
     async def deltas(self, timeout: float) -> list[Deltas]:
         """Every Deltas message that arrives within `timeout` (other messages are skipped)."""

@@ -28,11 +28,11 @@ class Prefill:
         self.sock.bind(f"tcp://127.0.0.1:{self.port}")
 
     async def recv(self, timeout: float = 5.0) -> tuple[bytes, wire.ToPrefill]:
-        ident, t, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return ident, wire.TO_PREFILL.decode(t, payload)
+        ident, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
+        return ident, wire.TO_PREFILL.decode(payload)
 
     async def send(self, ident: bytes, msg: wire._Tagged) -> None:
-        await self.sock.send_multipart([ident, *wire.encode(msg)])
+        await self.sock.send_multipart([ident, wire.encode(msg)])
 
     async def accept(self) -> bytes:
         ident, hello = await self.recv()

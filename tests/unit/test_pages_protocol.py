@@ -42,37 +42,34 @@ def test_pool_check_catches_a_double_count_and_a_lost_page():
         check_accounting(4, free[1:], [a])
 
 
-def test_roundtrip_and_type_byte_routing():
+def test_roundtrip():
     msg = Generates([Generate("r1", [1, 2, 3], SamplingParams(max_tokens=5, seed=7,
                                                                stop_token_ids=(9,)))])
-    t, payload = wire.encode(msg)
-    assert t == bytes([9])
-    assert wire.TO_WORKER.decode(t, payload) == msg
+    payload = wire.encode(msg)
+    assert payload[1] == 9  # (an array; the message's tag first)
+    assert wire.TO_WORKER.decode(payload) == msg
     d = Deltas([Delta("r1", 0, [4, 5]), Delta("r1", 2, [6], "length", Usage(3, 3)),
                 Delta("r2", 0, [], "error", error="no", error_kind=wire.ErrorKind.BAD_REQUEST)])
-    assert wire.TO_FRONTEND.decode(*wire.encode(d)) == d
+    assert wire.TO_FRONTEND.decode(wire.encode(d)) == d
 
 
 def test_each_socket_decodes_only_its_receivers_messages():
     done = wire.encode(wire.KvDone(5, True, 7))
-    assert wire.TO_DECODE.decode(*done) == wire.KvDone(5, True, 7)
+    assert wire.TO_DECODE.decode(done) == wire.KvDone(5, True, 7)
     for dec in (wire.TO_WORKER, wire.TO_FRONTEND, wire.TO_PREFILL):
         with pytest.raises(wire.ProtocolError):
-            dec.decode(*done)
+            dec.decode(done)
 
 
-GEN = bytes([9])
-
-
-@pytest.mark.parametrize("type_byte,payload", [
-    (b"\x63", b"\x90"),  # unknown type
-    (b"", b"\x90"),  # no type
-    (GEN, b"\xff\x00garbage"),
-    (GEN, msgspec.msgpack.encode([9, [["r", "not a list", []]]])),
-    (bytes([1]), b"\x93\x01\x03\xa2\xff\xfe"),  # a Hello whose string is invalid UTF-8
-    (GEN, msgspec.msgpack.encode([9, [["r", [1.5], [16]]]])),  # a float for a token id
-    (bytes([1]), msgspec.msgpack.encode([9, []])),  # type byte and payload tag disagree
+@pytest.mark.parametrize("payload", [
+    b"\x90",  # an empty array: no tag
+    b"",
+    msgspec.msgpack.encode([99, []]),  # an unknown tag
+    b"\xff\x00garbage",
+    msgspec.msgpack.encode([9, [["r", "not a list", []]]]),
+    b"\x93\x01\x03\xa2\xff\xfe",  # a Hello whose string is invalid UTF-8
+    msgspec.msgpack.encode([9, [["r", [1.5], [16]]]]),  # a float for a token id
 ])
-def test_untrusted_bytes_are_refused_cleanly(type_byte, payload):
+def test_untrusted_bytes_are_refused_cleanly(payload):
     with pytest.raises(wire.ProtocolError):
-        wire.TO_WORKER.decode(type_byte, payload)
+        wire.TO_WORKER.decode(payload)

@@ -24,8 +24,8 @@ def lp(tok: int, top: int = 2) -> W.TokenLogprobs:
 
 def test_new_sampling_fields_round_trip_inside_a_generate() -> None:
     msg = W.Generates([W.Generate("r", [1, 2], FULL)])
-    t, payload = W.encode(msg)
-    got = W.TO_WORKER.decode(t, payload)
+    payload = W.encode(msg)
+    got = W.TO_WORKER.decode(payload)
     assert isinstance(got, W.Generates) and got.items[0].sampling == FULL
     assert got.items[0].sampling.logit_bias == {5: 100.0, 0: -100.0}
 
@@ -57,16 +57,16 @@ def test_old_and_new_peers_read_each_others_sampling_params() -> None:
 
 def test_delta_logprobs_and_kvdone_first_logprobs_round_trip() -> None:
     d = W.Delta("r", 3, [7, 8], "stop", W.Usage(2, 5, 0), logprobs=[lp(7), lp(8, 0)])
-    t, payload = W.encode(W.Deltas([d, W.Delta("q", 0, [1])]))
-    got = W.TO_FRONTEND.decode(t, payload)
+    payload = W.encode(W.Deltas([d, W.Delta("q", 0, [1])]))
+    got = W.TO_FRONTEND.decode(payload)
     assert isinstance(got, W.Deltas) and got.items[0] == d and got.items[1].logprobs is None
     assert got.items[0].logprobs is not None and got.items[0].logprobs[0].top == [(7, 0.0),
                                                                                 (8, -0.5)]
     done = W.KvDone(9, True, 42, first_logprobs=lp(42))
-    t, payload = W.encode(done)
-    assert W.TO_DECODE.decode(t, payload) == done
+    payload = W.encode(done)
+    assert W.TO_DECODE.decode(payload) == done
     plain = W.KvDone(9, True, 42)
-    assert W.TO_DECODE.decode(*W.encode(plain)) == plain
+    assert W.TO_DECODE.decode(W.encode(plain)) == plain
 
 
 def test_merging_deltas_keeps_logprobs_aligned() -> None:

@@ -77,7 +77,7 @@ def worker_deltas(rid: str, plan: list[tuple[EngineOutput, list[int]]], cumulati
         if d is not None:
             out.append(d)
     if through_wire:
-        msg = wire.TO_FRONTEND.decode(*wire.encode(Deltas(out)))
+        msg = wire.TO_FRONTEND.decode(wire.encode(Deltas(out)))
         assert isinstance(msg, Deltas)
         out = msg.items
     return out

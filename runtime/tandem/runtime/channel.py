@@ -115,7 +115,7 @@ class MemoryChannel(Generic[T, U]):
         if len(peer._inbox) >= self.bound:
             raise ChannelFull("memory channel full")
         if self._wire is not None:
-            msg = self._wire.decode(*wire.encode(msg))  # type: ignore[arg-type]
+            msg = self._wire.decode(wire.encode(msg))  # type: ignore[arg-type]
         peer._deliver(msg)
 
     def _deliver(self, msg: U) -> None:

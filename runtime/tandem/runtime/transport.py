@@ -1,6 +1,6 @@
 """ZMQ transport: one context per process, ROUTER on workers, DEALER on frontends, and framing.
 
-A message on the wire is `[identity,] type byte, payload` (wire.encode, and one wire.Decoder per
+A message on the wire is `[identity,] payload` (wire.encode, and one wire.Decoder per
 socket). Sockets never linger on close, have high-water marks, and refuse frames over
 wire.MAX_MESSAGE_BYTES. A frame that does not decode is dropped, counted in `bad_messages` (by
 socket kind) and logged at most once a second: no bytes a peer sends can end a receive loop.
@@ -164,10 +164,9 @@ def send_nowait(sock: Socket, msg: wire._Tagged, identity: bytes | None = None) 
     zmq.Again rather than growing memory without bound, an unroutable identity raises
     EHOSTUNREACH, a closed socket ENOTSOCK. Nothing is queued unless all of it is (ZMQ takes a
     message's frames as one: a refusal comes at the first)."""
-    t, payload = wire.encode(msg)
+    payload = wire.encode(msg)
     if identity is not None:
         _raw_send(sock, identity, _MORE)
-    _raw_send(sock, t, _MORE)
     _raw_send(sock, payload, _NOBLOCK)
     if sock.waiter is not None and not sock.recheck_due:  # the send may have taken the signal
         sock.recheck_due = True
@@ -259,7 +258,7 @@ def refused(socket: str, what: str, log: logging.Logger, detail: object = "") ->
 
 async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger,
                     frames: int) -> AsyncGenerator[tuple[list[bytes], M], None]:
-    """Every message with `frames` frames (the last two: type byte, payload), fairly: bad ones are
+    """Every message with `frames` frames (the last: the payload), fairly: bad ones are
     counted, logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages.
     Ends with ZMQError (ENOTSOCK) once the socket is closed."""
     _watch(sock)
@@ -285,7 +284,7 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
                 if len(parts) != frames:
                     raise wire.ProtocolError(
                         f"{decoder.name}: expected {frames} frames, got {len(parts)}")
-                msg = decoder.decode(parts[-2], parts[-1])
+                msg = decoder.decode(parts[-1])
             except wire.ProtocolError as e:
                 _dropped(decoder, e, log)
                 continue
@@ -297,7 +296,7 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
 async def router_messages(sock: Socket, decoder: wire.Decoder[M],
                           log: logging.Logger) -> AsyncIterator[tuple[bytes, M]]:
     """Every (identity, message) arriving on a ROUTER socket (see _frames_in)."""
-    async with contextlib.aclosing(_frames_in(sock, decoder, log, 3)) as messages:
+    async with contextlib.aclosing(_frames_in(sock, decoder, log, 2)) as messages:
         async for parts, msg in messages:  # (closed with this one: the socket is free again)
             yield parts[0], msg
 
@@ -305,6 +304,6 @@ async def router_messages(sock: Socket, decoder: wire.Decoder[M],
 async def dealer_messages(sock: Socket, decoder: wire.Decoder[M],
                           log: logging.Logger) -> AsyncIterator[M]:
     """Every message arriving on a DEALER socket (see _frames_in)."""
-    async with contextlib.aclosing(_frames_in(sock, decoder, log, 2)) as messages:
+    async with contextlib.aclosing(_frames_in(sock, decoder, log, 1)) as messages:
         async for _, msg in messages:
             yield msg

@@ -2,9 +2,9 @@
 
 Messages are grouped by who receives them, as tagged unions (`ToWorker`, `ToFrontend`,
 `ToPrefill`, `ToDecode`); each socket has ONE typed decoder for its receiver's union, so a worker
-socket cannot even decode a `KvDone`. Frames are `[identity,] type byte, payload`: the type byte is
-the message's tag, so a message routes before it is decoded; the payload is msgpack (msgspec,
-`array_like`, the tag as its first element) and must carry the same tag. No pickle anywhere.
+socket cannot even decode a `KvDone`. A message is one frame (after a ROUTER's identity frame):
+msgpack (msgspec, `array_like`), the message's tag as its first element, which is what the
+decoder dispatches on. No pickle anywhere.
 
 Untrusted bytes only ever meet `Decoder.decode`, which turns every failure (bad msgpack, wrong
 schema, invalid UTF-8, a number out of range, a mismatched or unknown tag, an oversized payload)
@@ -22,8 +22,8 @@ import msgspec
 # 3: tagged unions per receiver, ErrorKind on deltas. 4: penalties, logit_bias, min_p, logprobs and
 # constrained output in SamplingParams, logprobs on deltas and KvDone (a version-3 peer would drop
 # them silently: the handshake refuses it instead). 5: KvRooms and KvDones (a bootstrap socket's
-# messages of one loop pass, in one).
-PROTOCOL_VERSION = 5
+# messages of one loop pass, in one). 6: no type frame before the payload (its tag is inside).
+PROTOCOL_VERSION = 6
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -314,9 +314,9 @@ M = TypeVar("M")
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: _Tagged) -> tuple[bytes, bytes]:
-    """Return `(type byte, payload)` for one message."""
-    return _TAG_BYTES[type(msg)], _encoder.encode(msg)
+def encode(msg: _Tagged) -> bytes:
+    """One message's frame."""
+    return _encoder.encode(msg)
 
 
 class Decoder(Generic[M]):
@@ -327,25 +327,14 @@ class Decoder(Generic[M]):
         self.name = name
         self._dec: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(union)
 
-    def decode(self, type_byte: bytes, payload: bytes) -> M:
-        if len(type_byte) != 1:
-            raise ProtocolError(f"{self.name}: bad type frame of {len(type_byte)} bytes")
+    def decode(self, payload: bytes) -> M:
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"{self.name}: message too large")
         try:
             msg = self._dec.decode(payload)
         except Exception as e:  # msgspec raises DecodeError/ValidationError, and more on odd input
             raise ProtocolError(f"{self.name}: undecodable message: {e}") from None
-        if _TAG_BYTES[type(msg)] != type_byte:
-            raise ProtocolError(f"{self.name}: type byte {type_byte[0]} does not match the payload")
         return msg
-
-
-_TAG_BYTES: dict[type, bytes] = {
-    c: bytes([int(c.__struct_config__.tag)])  # type: ignore[arg-type]
-    for c in (Hello, Generates, Abort, LoadQuery, Credit, HelloReply, Deltas, LoadReport,
-              KvHello, KvRoom, KvRooms, KvCancel, KvHelloReply, KvDone, KvDones)
-}
 
 TO_WORKER: Decoder[ToWorker] = Decoder(ToWorker, "worker")
 TO_FRONTEND: Decoder[ToFrontend] = Decoder(ToFrontend, "frontend")
