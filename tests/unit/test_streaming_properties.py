@@ -153,9 +153,9 @@ def parse_sse(body: str) -> list[Any]:
     return out
 
 
-def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
-    """The text cut before the first stop string (the one whose occurrence ends first; ties: the
-    longer), and the finish reason."""
+def first_stop(full: str, stops: list[str]) -> tuple[int, int] | None:
+    """Where the first stop string (the one whose occurrence ends first; ties: the longer) ends,
+    and minus its length; None if none occurs."""
     best: tuple[int, int] | None = None
     for s in stops:
         i = full.find(s)
@@ -163,10 +163,25 @@ def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
             key = (i + len(s), -len(s))
             if best is None or key < best:
                 best = key
+    return best
+
+
+def expected_text(full: str, stops: list[str]) -> tuple[str, str]:
+    """The text cut before the first stop string, and the finish reason."""
+    best = first_stop(full, stops)
     if best is None:
         return full, "length"
     end, neg = best
     return full[:end + neg], "stop"
+
+
+def tokens_given(pre: Preprocessor, ids: list[int], full: str, stops: list[str]) -> int:
+    """The tokens a client is given: all, or those to the one that completes the stop string."""
+    best = first_stop(full, stops)
+    if best is None:
+        return len(ids)
+    return next(n for n in range(len(ids) + 1)
+                if pre.tokenizer.decode(ids[:n]).startswith(full[:best[0]]))
 
 
 class NowCalls:
@@ -302,7 +317,9 @@ def test_client_reassembles_exactly_what_the_engine_produced(pre: Preprocessor,
     assert texts == {i: want for i in range(sc["n"])} or (not want and not texts)
     assert finishes == {i: want_finish for i in range(sc["n"])}
     received = sum(s.received for s in h.streams)
-    assert evs[-2]["usage"]["completion_tokens"] == received
+    # Usage: what the client was given, however the deltas merged on the way.
+    given = tokens_given(pre, ids, full, sc["stops"]) * sc["n"]
+    assert evs[-2]["usage"]["completion_tokens"] == given
     if want_finish == "length":
         assert received == len(ids) * sc["n"]
         assert h.link.num_in_flight == 0 and not any(isinstance(m, wire.Abort) for m in h.sent)

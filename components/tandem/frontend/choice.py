@@ -77,7 +77,7 @@ class ChoiceState:
         self.interval = interval
         self.buf: list[str] = [prefix] if prefix else []
         self.buf_tokens = 0
-        self.num_tokens = 0  # every token received, those a stop string cut included
+        self.num_tokens = 0  # the tokens the client is given: to a stop string's last one
         self.num_chunks = 0  # streamed chunks that carried text
         self.finish: str | None = None
         self.sent = False  # whether any text went out yet
@@ -109,6 +109,11 @@ class ChoiceState:
             self.buf.append(text)
         if detok.stopped:
             fin = "stop"
+            after = len(ids) - detok.used
+            if after:  # tokens past the stop string's end: never given, never counted
+                self.num_tokens -= after
+                self.buf_tokens -= after
+                self.cut(after)
         enc = self.enc
         if fin is not None:
             self.finish = fin
@@ -148,6 +153,9 @@ class ChoiceState:
     def text(self) -> str:
         return "".join(self.buf)
 
+    def cut(self, n: int) -> None:
+        """The last `n` tokens fed came after a stop string: forget what was kept of them."""
+
 
 class RichChoiceState(ChoiceState):
     """A choice whose response carries more than text: its tokens' logprobs (streamed with the
@@ -175,6 +183,10 @@ class RichChoiceState(ChoiceState):
         if self.want_logprobs and d.logprobs:
             self.lps += d.logprobs
         return ChoiceState.feed(self, d)
+
+    def cut(self, n: int) -> None:
+        if self.want_logprobs and self.lps:
+            del self.lps[max(0, len(self.lps) - n):]
 
     def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None:
         if not self.want_logprobs or self.token is None:

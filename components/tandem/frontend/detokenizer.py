@@ -209,20 +209,37 @@ class _StopText:
 class Detokenizer:
     """One request's detokenizer. Call `step(ids)` per delta and `step(ids, final=True)` for the
     last one (or `finish()` when the stream ends without tokens); each returns the text to emit.
-    Once `stopped` is true every later call returns "". `direct`, when not None, is what
-    `step(ids)` (not final) comes to with no stop strings: the text source's own step."""
+    Once `stopped` is true every later call returns "", and `used` is how many ids of the step
+    that stopped were needed: the one that completed the stop string is the last (the client is
+    given those, not the ones after it). `direct`, when not None, is what `step(ids)` (not final)
+    comes to with no stop strings: the text source's own step."""
 
-    __slots__ = ("_text", "_stop", "stopped", "direct")
+    __slots__ = ("_text", "_stop", "stopped", "used", "direct")
 
     def __init__(self, text: _TextSource, stops: Sequence[str] = (), include_stop: bool = False):
         self._text = text
         self._stop = _StopText(stops, include_stop) if stops else None
         self.stopped = False
+        self.used = 0
         self.direct = text.feed if self._stop is None else None
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
         if self.stopped:
             return ""
+        if self._stop is not None and len(ids) > 1:  # one id at a time: which one completes it
+            out, last = "", len(ids) - 1
+            for k in range(len(ids)):
+                out += self._step(ids[k:k + 1], final and k == last)
+                if self.stopped:
+                    self.used = k + 1
+                    return out
+            return out
+        out = self._step(ids, final)
+        if self.stopped:
+            self.used = len(ids)
+        return out
+
+    def _step(self, ids: Sequence[int], final: bool) -> str:
         text = self._text.feed(ids) if ids else ""
         if final:
             text += self._text.flush()

@@ -27,9 +27,10 @@ finish, an error, a choice a stop string ended (left by the task), a chunk the s
 now (a slow client: the server paused writing; the task awaits `send`, while the collector merges
 what arrives meanwhile), a server without the nowait calls.
 
-The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the workers
-produced: `completion_tokens` is every token received by every
-choice, including those a stop string cut from the text; `prompt_tokens` counts each prompt once.
+The contract this serves: ARCHITECTURE.md, "Streaming to the client". Usage counts what the client
+was given: `completion_tokens` is every choice's tokens up to its finish (a stop string's last token
+included, none that arrived after it: a merged delta's tail past the stop is not counted, so the
+count does not depend on how deltas merged); `prompt_tokens` counts each prompt once.
 """
 
 from __future__ import annotations
