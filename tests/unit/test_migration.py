@@ -86,6 +86,21 @@ async def test_moves_are_bounded_then_the_request_fails_clearly() -> None:
     await h.__aexit__(None, None, None)
 
 
+async def test_requests_failed_together_each_get_their_own_error() -> None:
+    """One lost worker fails all its requests with one error: each request's own words are its
+    own (seen before: 20 requests, each message with "already moved" 20 times)."""
+    pool, workers = memory_pool(["agg"], max_migrations=0)
+    hs = [await placed(pool) for _ in range(20)]
+    pool.links[0].on_disconnected()
+    messages = []
+    for h in hs:
+        with pytest.raises(errors.WorkerLost) as e:
+            await asyncio.wait_for(next_delta(h.collector), 2)
+        messages.append(str(e.value))
+    assert all(m.count("already moved 0 time(s)") == 1 for m in messages), messages[-1]
+    assert len(set(map(len, messages))) == 1
+
+
 async def test_no_moves_when_max_migrations_is_zero() -> None:
     pool, workers = memory_pool(["agg", "agg"], max_migrations=0)
     h = await placed(pool)

@@ -243,8 +243,11 @@ class RequestHandle:
     def leg_failed(self, leg: Leg, err: errors.TandemError) -> None:
         if not leg.reads:
             err = type(err)(f"prefill failed: {err.message}", retry_after=err.retry_after)
-        if isinstance(err, errors.WorkerLost) and self._migrate(err):
-            return
+        if isinstance(err, errors.WorkerLost):
+            refused = self._migrate(err)
+            if refused is None:
+                return
+            err = refused
         self.collector.fail(err)
         self._abort_others(leg)
 
@@ -266,16 +269,16 @@ class RequestHandle:
                 leg.link.end(leg, abort=True)
 
     # --- migration and the deadline ---------------------------------------------------------------
-    def _migrate(self, err: errors.TandemError) -> bool:
-        """Move the request off a lost worker; False when it may not move (it fails instead)."""
+    def _migrate(self, err: errors.TandemError) -> errors.TandemError | None:
+        """Move the request off a lost worker: None, or the error it fails with instead (`err`
+        is shared by every request the worker held: never changed, a new one says more)."""
         if self._left or self.collector.failed or any(leg.reads and leg.finished
                                                       for leg in self.legs):
-            return False
+            return err
         if self.migrations >= self.options.max_migrations:
-            err.message = (f"{err.message}; the request was already moved "
-                           f"{self.migrations} time(s), the most allowed")
-            err.args = (err.message,)
-            return False
+            return errors.WorkerLost(f"{err.message}; the request was already moved "
+                                     f"{self.migrations} time(s), the most allowed",
+                                     retry_after=err.retry_after)
         self._abort_others(None)
         self.legs = ()
         self.migrations += 1
@@ -286,9 +289,9 @@ class RequestHandle:
         if done >= self.sampling.max_tokens:  # every token arrived, only the finish was lost
             self.collector.put(Delta(self.rid, done, [], "length",
                                      Usage(len(self.prompt_ids), done)))
-            return True
+            return None
         self._moving = asyncio.get_running_loop().create_task(self._place_again(err))
-        return True
+        return None
 
     async def _place_again(self, lost: errors.TandemError) -> None:
         try:
