@@ -129,3 +129,27 @@ async def test_a_slow_body_gets_408(server: HttpServer) -> None:
     head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 3)
     assert head.startswith(b"HTTP/1.1 408")
     w.close()
+
+
+async def test_a_head_past_the_cap_gets_431_however_it_arrives(server: HttpServer) -> None:
+    """Whole in one write (the cap was checked per read: a head that completed within one read
+    was never measured), or behind a request on the same kept-alive connection."""
+    big = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 8192 + b"\r\n\r\n"
+    r, w = await connect(server)
+    w.write(big)
+    status, body = await answer(r)
+    assert status == 431 and body["error"]["type"] == "invalid_request_error"
+    w.close()
+    r, w = await connect(server)
+    w.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" + big)  # pipelined
+    raw = await asyncio.wait_for(r.read(), 3)
+    assert b"HTTP/1.1 431" in raw and r.at_eof()
+    w.close()
+
+
+async def test_a_request_the_parser_refuses_gets_an_openai_error_body(server: HttpServer) -> None:
+    r, w = await connect(server)
+    w.write(b"GET /v1/models HTTP/1.1\r\nhost x no colon\r\n\r\n")
+    status, body = await answer(r)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    w.close()

@@ -61,6 +61,7 @@ SLOW = _reply(408, "Request Timeout", "The request head did not arrive in time."
               "invalid_request_error")
 BIG = _reply(431, "Request Header Fields Too Large", "The request head is too large.",
              "invalid_request_error")
+BAD = _reply(400, "Bad Request", "Invalid HTTP request received.", "invalid_request_error")
 
 
 def raise_fd_limit(wanted: int) -> int:

@@ -2,7 +2,10 @@
 one scope extension per request (`Extensions`) that writes now instead of awaiting.
 
 The limits (tandem.frontend.limits.HttpLimits) it enforces: a connection cap (503 and close),
-a deadline for each request head (408 and close) and a cap on its size (431 and close).
+a deadline for each request head (408 and close) and a cap on its size (431 and close), for every
+request on a connection, pipelined ones too: the size is the head's as the parser reads it, and
+the bytes read while a head is unfinished. A request the parser refuses gets an OpenAI error body
+(uvicorn's own answer is plain text).
 
 The extension, `scope["extensions"][EXTENSIONS]`, has three calls, each what uvicorn's own ASGI
 `send`/`receive` would do, without an ASGI message, a coroutine or a task (tandem.frontend.http
@@ -21,8 +24,10 @@ connection and tests/unit/test_frontend_server.py on a real one. What it reads:
   `transport` (read, and replaced by a recorder for the length of one `start_nowait`), and its
   `send` coroutine, stepped by hand once;
 - of `HttpToolsProtocol` (subclassed): `cycle`, `connections`, `transport`, `loop`, and its
-  `connection_made`, `data_received`, `on_headers_complete`, `on_response_complete` and
-  `connection_lost`, each extended and called through.
+  `connection_made`, `data_received`, `on_message_begin`, `on_url`, `on_header`,
+  `on_headers_complete`, `on_response_complete` and `connection_lost`, each extended and called
+  through, and `send_400_response`, replaced (uvicorn calls it when its parser raises, which a
+  head past the cap makes it do).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tandem.frontend.limits import BIG, BUSY, SLOW, HttpLimits
+from tandem.frontend.limits import BAD, BIG, BUSY, SLOW, HttpLimits
 
 EXTENSIONS = "tandem.server"  # the scope extension: an `Extensions`
 
@@ -136,7 +141,9 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     class Guarded(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False  # a request head has begun and not ended
-        _head_bytes = 0
+        _head_bytes = 0  # bytes read while a head was unfinished
+        _head_size = 0  # the head's URL and headers so far, as parsed
+        _too_big = False
         _ext: Extensions | None = None  # the current request's
 
         def connection_made(self, transport: Any) -> None:
@@ -147,20 +154,41 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if not self._in_head and not self.transport.is_closing() and (
-                    self.cycle is None or self.cycle.response_complete):
-                self._in_head, self._head_bytes = True, 0  # a next request on a kept-alive one
-            if self._in_head:
-                self._head_bytes += len(data)
             super().data_received(data)
-            # Still no end of head after these bytes (a body after a complete head is not
-            # counted: the head's end ended it): too large, or the deadline starts now. A head
-            # that arrives whole, the usual case, never arms a timer.
-            if self._in_head:
+            # Still no end of head after these bytes (of this request, or of the next one that a
+            # client sent behind it on the same connection): too many bytes on the way to it, or
+            # the deadline starts now. A head that arrives whole, the usual case, never arms one.
+            if self._in_head and not self.transport.is_closing():
+                self._head_bytes += len(data)
                 if self._head_bytes > limits.max_header_bytes:
                     self._refuse(BIG)
                 elif self._head_timer is None:
                     self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes, self._head_size = True, 0, 0
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n: int) -> None:
+            """The head's size as parsed, whatever the reads it came in: past the cap the parse
+            stops (uvicorn's parse error, answered by send_400_response below with the 431)."""
+            self._head_size += n
+            if self._head_size > limits.max_header_bytes:
+                self._too_big = True
+                raise ValueError("request head too large")
+
+        def send_400_response(self, msg: str) -> None:
+            """What uvicorn sends for a request its parser refused: an OpenAI error body (a 431
+            for a head past the cap), not plain text."""
+            self._refuse(BIG if self._too_big else BAD)
 
         def on_headers_complete(self) -> None:
             self._disarm()
