@@ -212,3 +212,18 @@ def test_full_responses_parse_with_the_sdk() -> None:
                                                    api.usage_info(1, 1)))
     c = Completion.model_validate_json(body)
     assert c.object == "text_completion" and c.choices[0].finish_reason == "stop"
+
+
+def test_a_chat_request_has_at_most_max_messages() -> None:
+    from tandem.frontend.schemas import MAX_MESSAGES, ChatCompletionRequest, TokenizeRequest
+    from tandem.frontend.validate import decode_request
+    from tandem.runtime import errors
+
+    def body(n: int) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": "x"}] * n}).encode()
+
+    assert len(decode_request(body(MAX_MESSAGES), ChatCompletionRequest).messages) == MAX_MESSAGES
+    for cls in (ChatCompletionRequest, TokenizeRequest):
+        with pytest.raises(errors.BadRequest) as e:
+            decode_request(body(MAX_MESSAGES + 1), cls)
+        assert e.value.param == "messages"

@@ -20,6 +20,9 @@ I64 = 2**63 - 1
 NonNegInt = Annotated[int, Meta(ge=0, le=I64)]
 PosInt = Annotated[int, Meta(ge=1, le=I64)]
 TokenId = Annotated[int, Meta(ge=0, le=I64)]
+# Messages in one chat request: past it, a 400 while the body decodes (a million empty messages
+# cost the template seconds of the event loop before; long agent conversations hold hundreds).
+MAX_MESSAGES = 4096
 AnyInt = Annotated[int, Meta(ge=-(2**63), le=I64)]
 
 # --- requests -------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class ChatCompletionRequest(GenerateRequest, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: AnyInt | None = None
     logprobs: bool | None = None
     top_logprobs: AnyInt | None = None
@@ -100,7 +103,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 
