@@ -1,10 +1,10 @@
-"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), a
-sequence's step result off the common path (`step_rare`; the common one is inline in the
-Stepper), making one output, and delivering a step's with one `on_step` call per sink.
+"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), making
+one output, and delivering a step's with one `on_step` call per sink. (What a step's tokens do to
+their sequences, the postprocess, is `Stepper._postprocess`.)
 
 Cumulative mode hands out the sequence's own growing lists (`output_ids`, and `logprobs` when asked
 for): no copy per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
-Incremental mode hands out the new ids and their logprobs only.
+Incremental mode hands out the new ids and their logprobs only, in lists of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tandem.engines.base import EngineError, EngineOutput, OutputSink
-from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
+from tandem.engines.scheduler import Sequence
 from tandem.runtime.wire import FinishReason, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
@@ -30,33 +30,6 @@ class Step:
     items: Items = field(default_factory=list)
     computed: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
-
-
-def step_rare(engine: str, sched: Scheduler, cumulative: bool, step: Step, seq: Sequence,
-              token: int, lp: TokenLogprobs | None) -> None:
-    """A sequence's step result off the Stepper's common path (under its lock): cancelled or
-    failed meanwhile, a prefill-only one, or one with logprobs."""
-    if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
-        sched.finish(seq, "abort")
-        return
-    seq.num_cached = seq.num_tokens
-    if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
-        sched.to_sending(seq)
-        step.computed.append((seq, token, lp))
-        return
-    if seq.logprobs is not None:  # (appended before the output can be read)
-        if lp is None:  # the compute hook's bug: fail the request, not the engine
-            sched.finish(seq, "error")
-            seq.done = True
-            step.items.append((seq, make_output(seq, [], "error", cumulative, EngineError(
-                f"{engine} engine: the step computed no logprobs for {seq.rid}"))))
-            return
-        seq.logprobs.append(lp)
-    finish = seq.finish_after(token)
-    if finish is not None:
-        sched.finish(seq, finish)
-        seq.done = True
-    step.items.append((seq, make_output(seq, [token], finish, cumulative)))
 
 
 def make_output(seq: Sequence, new: list[int], finish: FinishReason | None, cumulative: bool,
