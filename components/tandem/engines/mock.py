@@ -138,7 +138,7 @@ class MockEngine(Stepper):
     name = "mock"
 
     def __init__(self, model_dir: str, *, page_size: int = 16, num_pages: int = 0,
-                 max_batch: int = 64, output_mode: OutputMode = "cumulative",
+                 max_batch: int = 64, output_mode: OutputMode | None = None,
                  step_delay_s: float = 0.0, timing: MockTiming | None = None,
                  handoff: HandoffSpec | None = None) -> None:
         cfg = read_model_config(model_dir)

@@ -2,9 +2,10 @@
 one output, and delivering a step's with one `on_step` call per sink. (What a step's tokens do to
 their sequences, the postprocess, is `Stepper._postprocess`.)
 
-Cumulative mode hands out the sequence's own growing lists (`output_ids`, and `logprobs` when asked
-for): no copy per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
-Incremental mode hands out the new ids and their logprobs only, in lists of their own.
+Incremental mode (the default of tandem's engines) hands out the new ids and their logprobs only,
+in lists of their own: the step already holds them. Cumulative mode hands out the sequence's own
+growing lists (`output_ids`, and `logprobs` when asked for): no copy per token; a consumer bounds
+them by `completion_tokens` (tandem.worker.deltas).
 """
 
 from __future__ import annotations

@@ -59,10 +59,12 @@ class Stepper(Engine):
 
     page_bytes: int = 0  # bytes of one KV page: what a mover moves
     step_thread = False
+    output_mode: OutputMode = "incremental"  # the default: a step holds just the new token
 
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
-                 output_mode: OutputMode, max_prefill_tokens: int,
+                 output_mode: OutputMode | None, max_prefill_tokens: int,
                  handoff: HandoffSpec | None = None) -> None:
+        output_mode = output_mode or self.output_mode
         if output_mode not in ("cumulative", "incremental"):
             raise ValueError(f"output_mode must be cumulative or incremental, not {output_mode!r}")
         if page_size <= 0 or max_batch <= 0 or num_pages <= 0:

@@ -3,12 +3,13 @@ handler").
 
 Cumulative outputs (all ids so far; SGLang hands out a live list) are sliced by the count already
 sent, which copies at once and bounds the slice by `completion_tokens` so a list that grew after
-the output was made cannot leak extra ids. Incremental outputs (only new ids) pass through
-uncopied: the engine contract (tandem.engines.base) makes them the consumer's. Every delta
-carries its offset; `offset + len(token_ids) == completion_tokens` is checked on each one.
-Logprobs, when the request asked for them, follow the ids exactly: sliced the same way, one per
-token (checked), in a list of the delta's own (merging extends it in place: `Delta.extend`).
-SGLang's item edges (its abort echo) are handled before this, in tandem.engines.sglang_stream.
+the output was made cannot leak extra ids. Incremental outputs (only new ids: tandem's own engines
+by default) pass through uncopied: the engine contract (tandem.engines.base) makes them the
+consumer's. Every delta carries its offset; `offset + len(token_ids) == completion_tokens` is
+checked on each one. Logprobs, when the request asked for them, follow the ids exactly: sliced the
+same way, one per token (checked), in a list of the delta's own (merging extends it in place:
+`Delta.extend`). SGLang's item edges (its abort echo) are handled before this, in
+tandem.engines.sglang_stream.
 """
 
 from __future__ import annotations
