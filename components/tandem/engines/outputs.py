@@ -1,11 +1,11 @@
-"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), making
-one output, and delivering a step's with one `on_step` call per sink. (What a step's tokens do to
-their sequences, the postprocess, is `Stepper._postprocess`.)
+"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), an output
+that ends a request with no new id, and delivering a step's with one `on_step` call per sink. (What
+a step's tokens do to their sequences, and their outputs, is `Stepper._postprocess`.)
 
-Incremental mode (the default of tandem's engines) hands out the new ids and their logprobs only,
-in lists of their own: the step already holds them. Cumulative mode hands out the sequence's own
-growing lists (`output_ids`, and `logprobs` when asked for): no copy per token; a consumer bounds
-them by `completion_tokens` (tandem.worker.deltas).
+Outputs are made incremental: the new ids, and their logprobs, in lists of their own (the step
+already holds them); that is the default of tandem's engines. In cumulative mode `deliver` hands
+out the sequence's own growing lists instead (`output_ids`, and `logprobs` when asked for): no copy
+per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
 """
 
 from __future__ import annotations
@@ -33,20 +33,23 @@ class Step:
     failed: list[Sequence] = field(default_factory=list)
 
 
-def make_output(seq: Sequence, new: list[int], finish: FinishReason | None, cumulative: bool,
-                error: EngineError | None = None) -> EngineOutput:
-    """`seq`'s output now; `new` are the ids it got since its last one."""
-    lps = seq.logprobs
-    if lps is not None and not cumulative:
-        lps = lps[len(lps) - len(new):]
-    return EngineOutput(seq.rid, seq.output_ids if cumulative else new, finish,
-                        len(seq.prompt_ids), len(seq.output_ids), 0, error, lps)
+def ending(seq: Sequence, reason: FinishReason, error: EngineError | None = None) -> EngineOutput:
+    """An output that ends `seq` with no new id (aborted, failed)."""
+    return EngineOutput(seq.rid, [], reason, len(seq.prompt_ids), len(seq.output_ids), 0, error,
+                        None if seq.logprobs is None else [])
 
 
-def deliver(engine: str, items: Items) -> None:
-    """Hand outputs to their sequences' sinks: one on_step call per sink."""
+def deliver(engine: str, items: Items, cumulative: bool) -> None:
+    """Hand outputs to their sequences' sinks: one on_step call per sink. Outputs are made
+    incremental; in cumulative mode they leave with their sequences' own growing lists instead
+    (the one place the mode matters here: counts were fixed when the outputs were made)."""
     if not items:
         return
+    if cumulative:
+        for seq, out in items:
+            out.output_ids = seq.output_ids
+            if out.logprobs is not None:
+                out.logprobs = seq.logprobs
     sink = items[0][0].sink
     outs = [out for seq, out in items if seq.sink is sink]
     if len(outs) == len(items):  # the usual case: one sink (the worker)

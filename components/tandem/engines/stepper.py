@@ -29,7 +29,7 @@ from typing import Any
 
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
-from tandem.engines.outputs import Step, deliver, make_output
+from tandem.engines.outputs import Step, deliver, ending
 from tandem.engines.pd import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
@@ -161,7 +161,7 @@ class Stepper(Engine):
             for seq in seqs:
                 seq.in_flight = False
             ended = [s for s in seqs if self._last(s)]
-        deliver(self.name, [(s, make_output(s, [], "abort", self._cumulative)) for s in ended])
+        deliver(self.name, [(s, ending(s, "abort")) for s in ended], self._cumulative)
         if self.handoff is not None:  # ends the transfers: no write can land after this
             await self.handoff.close()
         with self._lock:
@@ -229,7 +229,7 @@ class Stepper(Engine):
                 return
             self.sched.join(seq)
             step = self._postprocess([seq], [first], [logprobs], None)
-        deliver(self.name, step.items)
+        deliver(self.name, step.items, self._cumulative)
 
     def written(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
@@ -240,7 +240,10 @@ class Stepper(Engine):
                 if seq.logprobs is not None and logprobs is not None:
                     seq.logprobs.append(logprobs)
         if last:
-            deliver(self.name, [(seq, make_output(seq, [first], "length", self._cumulative))])
+            lps = seq.logprobs
+            out = EngineOutput(seq.rid, [first], "length", len(seq.prompt_ids),
+                               len(seq.output_ids), 0, None, None if lps is None else lps[-1:])
+            deliver(self.name, [(seq, out)], self._cumulative)
         self.free(seq, "length")
 
     def failed(self, seq: Sequence, error: EngineError) -> None:
@@ -248,7 +251,7 @@ class Stepper(Engine):
         with self._lock:
             last = self._last(seq)
         if last:
-            deliver(self.name, [(seq, make_output(seq, [], "error", self._cumulative, error))])
+            deliver(self.name, [(seq, ending(seq, "error", error))], self._cumulative)
 
     # --- the step ---------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -322,15 +325,14 @@ class Stepper(Engine):
             for seq in seqs:
                 seq.in_flight = False
                 if self._last(seq):
-                    step.items.append((seq, make_output(seq, [], "error", self._cumulative, err)))
+                    step.items.append((seq, ending(seq, "error", err)))
                 if seq.handoff is not None:
                     step.failed.append(seq)  # the handoff tells its peer, then frees the pages
                 else:
                     self.sched.finish(seq, "error")
             self._notify()
             return step
-        items, sched, cumulative, finished = step.items, self.sched, self._cumulative, \
-            SeqStatus.FINISHED
+        items, sched, finished = step.items, self.sched, SeqStatus.FINISHED
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.in_flight = False
             if seq.done or seq.status is finished:  # cancelled or failed meanwhile
@@ -343,15 +345,17 @@ class Stepper(Engine):
                 sched.to_sending(seq)
                 step.computed.append((seq, token, lps[i] if lps is not None else None))
                 continue
+            new_lps: list[TokenLogprobs] | None = None
             if seq.logprobs is not None:  # (appended before the output can be read)
                 lp = lps[i] if lps is not None else None
                 if lp is None:  # the compute hook's bug: fail the request, not the engine
                     sched.finish(seq, "error")
                     seq.done = True
-                    items.append((seq, make_output(seq, [], "error", cumulative, EngineError(
+                    items.append((seq, ending(seq, "error", EngineError(
                         f"{self.name} engine: the step computed no logprobs for {seq.rid}"))))
                     continue
                 seq.logprobs.append(lp)
+                new_lps = [lp]
             out.append(token)
             n = len(out)
             finish: FinishReason | None = None  # the finish rule
@@ -362,7 +366,8 @@ class Stepper(Engine):
             if finish is not None:
                 sched.finish(seq, finish)
                 seq.done = True
-            items.append((seq, make_output(seq, [token], finish, cumulative)))
+            items.append((seq, EngineOutput(seq.rid, [token], finish, n_prompt, n, 0, None,
+                                            new_lps)))
         self._notify()
         return step
 
@@ -387,12 +392,9 @@ class Stepper(Engine):
         items = step.items
         if self.step_thread:
             items = [item for item in items if not item[0].cancelled]
-        deliver(self.name, items)
+        deliver(self.name, items, self._cumulative)
 
-    # --- delivery ---------------------------------------------------------------------------------
     def _last(self, seq: Sequence) -> bool:
         """Whether `seq` may still get its last output (and mark that it got it)."""
-        if seq.done:
-            return False
-        seq.done = True
-        return True
+        last, seq.done = not seq.done, True
+        return last
