@@ -209,9 +209,10 @@ class WorkerConfig(MockTiming, Common):
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
     device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
-    output_mode: OutputMode = opt("cumulative", "how the engine reports token ids: all so far "
-                                  "(cumulative, SGLang's default) or only new ones",
-                                  choices=OUTPUT_MODES)
+    output_mode: OutputMode | Literal[""] = opt(
+        "", "how the engine reports token ids: all so far (cumulative) or only the new ones "
+        "(incremental) (default: the engine's own: incremental for mock and reference, "
+        "cumulative for sglang, SGLang's default)", choices=OUTPUT_MODES)
     kv_transfer_timeout_s: float = opt(30.0, "PD: seconds one KV transfer may take before it "
                                        "fails", flag="--kv-transfer-timeout", type=positive_float)
     kv_room_timeout_s: float = opt(60.0, "PD, prefill side: seconds a request waits for its "

@@ -6,7 +6,8 @@ A factory builds an engine, not started, for a role:
   prefill side's bootstrap port, and the in-process fabric KV moves over); a factory that cannot
   do PD in one process calls `pytest.skip`;
 - "broken": an engine whose `start()` fails.
-Options every factory takes: `output_mode`, `num_pages`, `page_size`. To add an engine, add a
+Options every factory takes: `output_mode` (None: the engine's own default), `num_pages`,
+`page_size`. To add an engine, add a
 factory here (an engine that needs a GPU skips itself where there is none).
 """
 
@@ -68,7 +69,7 @@ Make = Callable[..., Awaitable[Engine]]  # the `make` fixture (conftest.py): a f
 
 
 async def mock(model_dir: Path, role: str = "agg", *, link: PdLink | None = None,
-               output_mode: str = "cumulative", num_pages: int = 64,
+               output_mode: str | None = None, num_pages: int = 64,
                page_size: int = 4) -> Engine:
     from tandem.engines.mock import MockEngine
 
@@ -83,7 +84,7 @@ async def mock(model_dir: Path, role: str = "agg", *, link: PdLink | None = None
 
 
 async def reference(model_dir: Path, role: str = "agg", *, link: PdLink | None = None,
-                    output_mode: str = "cumulative", num_pages: int = 64,
+                    output_mode: str | None = None, num_pages: int = 64,
                     page_size: int = 4) -> Engine:
     from tandem.engines.reference import ReferenceEngine
 
@@ -101,10 +102,10 @@ _SGLANG_WORLDS: dict[int, tuple[PdLink, Any]] = {}  # one fake SGLang world per 
 
 
 async def sglang_fake(model_dir: Path, role: str = "agg", *, link: PdLink | None = None,
-                      output_mode: str = "cumulative", num_pages: int = 64,
+                      output_mode: str | None = None, num_pages: int = 64,
                       page_size: int = 4) -> Engine:
     """The SGLang adapter over the fake sglang.Engine (PD through the fake's bootstrap rooms)."""
-    from tandem.engines.sglang import SGLangEngine, SGLangOptions
+    from tandem.engines.sglang import OUTPUT_MODE, SGLangEngine, SGLangOptions
     from tests.sglang.fake_sglang import World, fake_server_args
 
     world = World() if link is None else _SGLANG_WORLDS.setdefault(id(link), (link, World()))[1]
@@ -115,7 +116,8 @@ async def sglang_fake(model_dir: Path, role: str = "agg", *, link: PdLink | None
         def factory(server_args: Any) -> Any:
             raise EngineError("this engine was built not to start")
 
-    opts = SGLangOptions(str(model_dir), role=role, output_mode=output_mode,  # type: ignore[arg-type]
+    opts = SGLangOptions(str(model_dir), role=role,  # type: ignore[arg-type]
+                         output_mode=output_mode or OUTPUT_MODE,  # type: ignore[arg-type]
                          page_size=page_size, num_pages=num_pages, host=HOST,
                          bootstrap_port=link.port if link is not None and role == "prefill" else 0,
                          engine_args=("--enable-deterministic-inference",))  # seeds are used

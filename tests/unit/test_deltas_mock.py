@@ -33,12 +33,19 @@ def test_cumulative_slices_by_sent_count_and_ignores_growth_of_a_live_list():
     assert m.make(EngineOutput("r", live, None, 3, 5)) is None  # nothing new, not finished
 
 
-def test_incremental_passes_through_and_drops_the_repeated_abort_id():
+def test_incremental_passes_through_and_an_untrimmed_abort_echo_is_out_of_step():
     m = DeltaMaker("r", "incremental")
-    assert m.make(EngineOutput("r", [7], None, 1, 1)).token_ids == [7]
-    assert m.make(EngineOutput("r", [8, 9], None, 1, 3)).token_ids == [8, 9]
-    last = m.make(EngineOutput("r", [9], "abort", 1, 3))  # SGLang repeats the last id on abort
-    assert last is not None and last.token_ids == [] and last.offset == 3
+    first = [7]
+    d1 = m.make(EngineOutput("r", first, None, 1, 1))
+    assert d1 is not None and d1.token_ids is first  # the contract makes it the consumer's
+    d2 = m.make(EngineOutput("r", [8, 9], None, 1, 3))
+    assert d2 is not None and (d2.offset, d2.token_ids) == (1, [8, 9])
+    # SGLang's abort echo (its last id again) is trimmed in tandem.engines.sglang_stream
+    # (tests/sglang); one that got this far is a count that does not add up.
+    with pytest.raises(EngineError):
+        m.make(EngineOutput("r", [9], "abort", 1, 3))
+    last = m.make(EngineOutput("r", [], "abort", 1, 3))  # (nothing was counted as sent)
+    assert last is not None and (last.offset, last.token_ids, last.finish_reason) == (3, [], "abort")
 
 
 def test_out_of_step_engine_output_is_an_error_not_a_silent_loss():
@@ -106,6 +113,58 @@ async def test_mock_engine_cancel_frees_pages_and_silences_the_sink(mock_dir):
         await eng.shutdown()
 
 
+class DeltaLog:
+    """A sink that turns outputs into deltas as the worker does, and keeps them."""
+
+    def __init__(self, mode: str) -> None:
+        self.makers: dict[str, DeltaMaker] = {}
+        self.mode = mode
+        self.deltas: dict[str, list[tuple]] = {}
+        self.done: dict[str, asyncio.Event] = {}
+
+    def add(self, rid: str) -> None:
+        self.makers[rid] = DeltaMaker(rid, self.mode)
+        self.deltas[rid], self.done[rid] = [], asyncio.Event()
+
+    def on_step(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            d = self.makers[out.rid].make(out)
+            if d is not None:  # (copied: a live list would otherwise show later tokens)
+                self.deltas[out.rid].append((d.offset, list(d.token_ids), d.finish_reason,
+                                             d.usage, None if d.logprobs is None else
+                                             list(d.logprobs)))
+            if out.finish_reason is not None:
+                self.done[out.rid].set()
+
+
+async def test_mock_engine_incremental_gives_the_deltas_cumulative_gives(mock_dir):
+    """The default (incremental: the step's own token) and cumulative (the live list, sliced by
+    the worker) make the same deltas: ids, offsets, finishes, usage and logprobs."""
+    reqs = [("long", [1, 2, 3], SamplingParams(max_tokens=9)),
+            ("ctx", [3] * 125, SamplingParams(max_tokens=50)),  # ends at the context
+            ("stop", [5, 6], SamplingParams(max_tokens=20, stop_token_ids=(
+                mock_token([5, 6], 2, 500, frozenset({2})),))),
+            ("lp", [7, 8], SamplingParams(max_tokens=5, logprobs=2)),
+            ("bias", [9], SamplingParams(max_tokens=4, logit_bias={42: 11.0},
+                                         presence_penalty=2.0))]
+    seen = {}
+    for mode in (None, "cumulative"):
+        eng = MockEngine(mock_dir, page_size=4, num_pages=128, output_mode=mode)
+        assert eng.output_mode == (mode or "incremental")
+        await eng.start()
+        try:
+            sink = DeltaLog(eng.output_mode)
+            for rid, prompt, sp in reqs:
+                sink.add(rid)
+                eng.submit(EngineRequest(rid, prompt, sp), sink)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in sink.done.values())), 10)
+            seen[eng.output_mode] = sink.deltas
+        finally:
+            await eng.shutdown()
+    assert seen["incremental"] == seen["cumulative"]
+    assert [len(d) for d in seen["incremental"].values()] == [9, 3, 3, 5, 4]
+
+
 async def test_mock_engine_stop_token_and_min_tokens(mock_dir):
     eng = MockEngine(mock_dir, page_size=4, num_pages=64)
     await eng.start()
@@ -171,10 +230,10 @@ def test_cumulative_logprobs_are_sliced_with_their_ids():
     assert lps == [lp(1), lp(2), lp(3), lp(4)]
 
 
-def test_incremental_logprobs_pass_through_and_follow_the_echo_trim():
+def test_incremental_logprobs_pass_through():
     m = DeltaMaker("r", "incremental")
     assert m.make(EngineOutput("r", [7], None, 1, 1, logprobs=[lp(7)])).logprobs == [lp(7)]
-    last = m.make(EngineOutput("r", [7], "abort", 1, 1, logprobs=[lp(7)]))
+    last = m.make(EngineOutput("r", [], "length", 1, 1, logprobs=[]))
     assert last is not None and last.token_ids == [] and last.logprobs == []
     plain = DeltaMaker("q", "incremental").make(EngineOutput("q", [5], None, 1, 1))
     assert plain is not None and plain.logprobs is None

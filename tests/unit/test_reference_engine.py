@@ -116,8 +116,8 @@ async def test_max_tokens_finishes_with_length(engine: ReferenceEngine) -> None:
     r = await run(engine, "r", PROMPT, max_tokens=7, ignore_eos=True, **GREEDY)
     assert [o[1] for o in r.outputs] == [None] * 6 + ["length"]
     ids, _, n = r.outputs[-1]
-    assert (n, len(ids), len(r.ids)) == (7, 7, 7)
-    assert r.outputs[-1][2] == 7
+    assert engine.output_mode == "incremental"  # the default: each output carries its new id
+    assert (n, len(ids), len(r.ids)) == (7, 1, 7)
 
 
 async def test_context_end_finishes_with_length(make_engine: MakeEngine, tmp_path: Path,
@@ -184,8 +184,9 @@ async def test_cumulative_and_incremental_give_the_same_tokens(make_engine: Make
     assert joined == prev == cum_run.ids == inc_run.ids and len(joined) == 15
 
 
-async def test_cumulative_outputs_share_one_growing_list(engine: ReferenceEngine) -> None:
+async def test_cumulative_outputs_share_one_growing_list(make_engine: MakeEngine) -> None:
     # No copy of the whole id list per token: every output of a request hands out the same list.
+    engine = await make_engine(output_mode="cumulative")
     seen: list[list[int]] = []
 
     class Keep(Recorder):

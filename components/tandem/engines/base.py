@@ -15,6 +15,9 @@ failed start, and safe twice).
 - Each `EngineOutput` names its request (`rid`) and carries `output_ids`, cumulative (all ids so
   far) or incremental (only the new ids) as the engine's `output_mode` declares, and the counts;
   for a request with `sampling.logprobs` set, `logprobs` too, one per id, in the same mode.
+  Cumulative lists may be the engine's live ones (a consumer bounds them by `completion_tokens`);
+  incremental lists are the consumer's, the engine never touches them again. tandem's own engines
+  are incremental by default (a step holds just the new token), SGLang cumulative (its default).
   A request's last output has a `finish_reason`; a request that fails after submission ends with
   one output whose `finish_reason` is "error" and whose `error` says why (an EngineError, or an
   EngineRequestError when the request turned out to be unacceptable). Nothing follows the last

@@ -43,7 +43,7 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
 
         return MockEngine(
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-            output_mode=cfg.output_mode, handoff=handoff,
+            output_mode=cfg.output_mode or None, handoff=handoff,
             timing=MockTiming(
                 step_s=cfg.step_delay_ms / 1e3,
                 prefill_s_per_token=cfg.mock_prefill_us_per_token / 1e6,
@@ -56,7 +56,7 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
 
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-                               output_mode=cfg.output_mode, handoff=handoff)
+                               output_mode=cfg.output_mode or None, handoff=handoff)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine
 

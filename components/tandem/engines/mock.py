@@ -138,7 +138,7 @@ class MockEngine(Stepper):
     name = "mock"
 
     def __init__(self, model_dir: str, *, page_size: int = 16, num_pages: int = 0,
-                 max_batch: int = 64, output_mode: OutputMode = "cumulative",
+                 max_batch: int = 64, output_mode: OutputMode | None = None,
                  step_delay_s: float = 0.0, timing: MockTiming | None = None,
                  handoff: HandoffSpec | None = None) -> None:
         cfg = read_model_config(model_dir)
@@ -172,10 +172,8 @@ class MockEngine(Stepper):
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid
         seqs = batch.all()
-        # mock_token, inline (once per token): position = resume + len(output_ids).
-        tokens = [(s.memo + (s.resume + len(s.output_ids)) * 7919) % vocab for s in seqs]
-        if not avoid.isdisjoint(tokens):
-            tokens = [t if t not in avoid else mock_token([], 0, vocab, avoid, t) for t in tokens]
+        # (a sequence's memo is its seed: mock_seed of its original prompt)
+        tokens = [mock_token(s.prompt_ids, s.position, vocab, avoid, s.memo) for s in seqs]
         extras = [i for i, s in enumerate(seqs) if s.extras]
         if extras:
             self._extras(batch, seqs, tokens, extras)

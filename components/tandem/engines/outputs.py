@@ -1,10 +1,11 @@
-"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), a
-sequence's step result off the common path (`step_rare`; the common one is inline in the
-Stepper), making one output, and delivering a step's with one `on_step` call per sink.
+"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), an output
+that ends a request with no new id, and delivering a step's with one `on_step` call per sink. (What
+a step's tokens do to their sequences, and their outputs, is `Stepper._postprocess`.)
 
-Cumulative mode hands out the sequence's own growing lists (`output_ids`, and `logprobs` when asked
-for): no copy per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
-Incremental mode hands out the new ids and their logprobs only.
+Outputs are made incremental: the new ids, and their logprobs, in lists of their own (the step
+already holds them); that is the default of tandem's engines. In cumulative mode `deliver` hands
+out the sequence's own growing lists instead (`output_ids`, and `logprobs` when asked for): no copy
+per token; a consumer bounds them by `completion_tokens` (tandem.worker.deltas).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tandem.engines.base import EngineError, EngineOutput, OutputSink
-from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
+from tandem.engines.scheduler import Sequence
 from tandem.runtime.wire import FinishReason, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
@@ -32,47 +33,23 @@ class Step:
     failed: list[Sequence] = field(default_factory=list)
 
 
-def step_rare(engine: str, sched: Scheduler, cumulative: bool, step: Step, seq: Sequence,
-              token: int, lp: TokenLogprobs | None) -> None:
-    """A sequence's step result off the Stepper's common path (under its lock): cancelled or
-    failed meanwhile, a prefill-only one, or one with logprobs."""
-    if seq.done or seq.status is SeqStatus.FINISHED:  # cancelled or failed meanwhile
-        sched.finish(seq, "abort")
-        return
-    seq.num_cached = seq.num_tokens
-    if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
-        sched.to_sending(seq)
-        step.computed.append((seq, token, lp))
-        return
-    if seq.logprobs is not None:  # (appended before the output can be read)
-        if lp is None:  # the compute hook's bug: fail the request, not the engine
-            sched.finish(seq, "error")
-            seq.done = True
-            step.items.append((seq, make_output(seq, [], "error", cumulative, EngineError(
-                f"{engine} engine: the step computed no logprobs for {seq.rid}"))))
-            return
-        seq.logprobs.append(lp)
-    finish = seq.finish_after(token)
-    if finish is not None:
-        sched.finish(seq, finish)
-        seq.done = True
-    step.items.append((seq, make_output(seq, [token], finish, cumulative)))
+def ending(seq: Sequence, reason: FinishReason, error: EngineError | None = None) -> EngineOutput:
+    """An output that ends `seq` with no new id (aborted, failed)."""
+    return EngineOutput(seq.rid, [], reason, len(seq.prompt_ids), len(seq.output_ids), 0, error,
+                        None if seq.logprobs is None else [])
 
 
-def make_output(seq: Sequence, new: list[int], finish: FinishReason | None, cumulative: bool,
-                error: EngineError | None = None) -> EngineOutput:
-    """`seq`'s output now; `new` are the ids it got since its last one."""
-    lps = seq.logprobs
-    if lps is not None and not cumulative:
-        lps = lps[len(lps) - len(new):]
-    return EngineOutput(seq.rid, seq.output_ids if cumulative else new, finish,
-                        len(seq.prompt_ids), len(seq.output_ids), 0, error, lps)
-
-
-def deliver(engine: str, items: Items) -> None:
-    """Hand outputs to their sequences' sinks: one on_step call per sink."""
+def deliver(engine: str, items: Items, cumulative: bool) -> None:
+    """Hand outputs to their sequences' sinks: one on_step call per sink. Outputs are made
+    incremental; in cumulative mode they leave with their sequences' own growing lists instead
+    (the one place the mode matters here: counts were fixed when the outputs were made)."""
     if not items:
         return
+    if cumulative:
+        for seq, out in items:
+            out.output_ids = seq.output_ids
+            if out.logprobs is not None:
+                out.logprobs = seq.logprobs
     sink = items[0][0].sink
     outs = [out for seq, out in items if seq.sink is sink]
     if len(outs) == len(items):  # the usual case: one sink (the worker)

@@ -13,8 +13,9 @@ Disaggregated serving (`pd`): a prefill-only sequence ("prefill") holds pages fo
 after its prefill step it leaves the batch as SENDING, keeping its pages until its KV has been sent.
 A decode sequence ("decode") is admitted by *reserving* pages for `max_total` tokens; it waits as
 FETCHING, outside the batch but counted against `max_batch`, while its prompt's K/V is written into
-them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)` and its first
-token already in `output_ids`: it skips prefill. (The handoff itself: tandem.engines.pd.)
+them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)`: it skips
+prefill, and its first token (the prefill side's) is recorded as a step's token is, by the Stepper's
+postprocess. (The handoff itself: tandem.engines.pd.)
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ class Sequence:
         return len(self.output_ids)
 
     @property
-    def needs_prefill(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
-
-    @property
     def position(self) -> int:
         """Completion tokens before the next one, counting an earlier leg's (its draw position)."""
         return self.resume + len(self.output_ids)
@@ -99,15 +96,6 @@ class Sequence:
     def banned_ids(self) -> frozenset[int]:
         """Stop ids may not be sampled before min_tokens completion tokens exist."""
         return self.stop_ids if self.position < self.sampling.min_tokens else frozenset()
-
-    def finish_after(self, token: int) -> FinishReason | None:
-        """Record a sampled token; return why the sequence ends now, if it does."""
-        self.output_ids.append(token)
-        if token in self.stop_ids and self.position >= self.sampling.min_tokens:
-            return "stop"
-        if self.num_tokens >= self.max_total:
-            return "length"
-        return None
 
 
 @dataclass(slots=True)
@@ -158,7 +146,7 @@ class Scheduler:
         """Pick the next step's work and mark it in flight."""
         decode: list[Sequence] = []
         for s in self.running.values():
-            if s.num_cached >= len(s.prompt_ids):  # (not needs_prefill: inline, once per token)
+            if s.num_cached >= len(s.prompt_ids):  # its prompt is computed: it decodes
                 s.in_flight = True
                 decode.append(s)
         batch = Batch(decode=decode)
@@ -211,18 +199,14 @@ class Scheduler:
         seq.status = SeqStatus.SENDING
         self.sending[seq.owner] = seq
 
-    def join(self, seq: Sequence, first_token: int) -> FinishReason | None:
-        """A decode sequence's prompt K/V arrived: its pages become its own and it runs, with
-        `first_token` as its first output. Returns why it ends at once, if it does."""
+    def join(self, seq: Sequence) -> None:
+        """A decode sequence's prompt K/V arrived: its pages become its own and it runs (its
+        first token, sampled by the prefill side, is postprocessed like a step's)."""
         del self.fetching[seq.owner]
         self.pool.commit(seq.owner)
         seq.status = SeqStatus.RUNNING
         self.running[seq.owner] = seq
         seq.num_cached = len(seq.prompt_ids)
-        finish = seq.finish_after(first_token)
-        if finish is not None:
-            self.finish(seq, finish)
-        return finish
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence wherever it is and give its pages back. Idempotent."""

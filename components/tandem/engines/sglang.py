@@ -64,6 +64,7 @@ log = logging.getLogger("tandem.engines.sglang")
 INSTALL_HINT = "pip install 'tandem[sglang]' (on a CUDA machine: SGLang runs on NVIDIA GPUs)"
 DISAGGREGATION_MODES: dict[Role, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
 CHILD_EXIT_TIMEOUT_S = 10.0  # SIGTERM to SGLang's processes, then SIGKILL after this long
+OUTPUT_MODE: OutputMode = "cumulative"  # SGLang's default, and so the adapter's
 
 
 class SGLangSetupError(EngineError):
@@ -76,7 +77,7 @@ class SGLangOptions:
 
     model: str
     role: Role = "agg"
-    output_mode: OutputMode = "cumulative"
+    output_mode: OutputMode = OUTPUT_MODE
     page_size: int = 16
     max_batch: int = 0  # -> --max-running-requests (0 = SGLang's own)
     num_pages: int = 0  # -> --max-total-tokens = num_pages * page_size (0 = SGLang's own)
@@ -88,7 +89,7 @@ class SGLangOptions:
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig) -> SGLangOptions:
-        return cls(model=cfg.model, role=cfg.role, output_mode=cfg.output_mode,
+        return cls(model=cfg.model, role=cfg.role, output_mode=cfg.output_mode or OUTPUT_MODE,
                    page_size=cfg.page_size, max_batch=cfg.max_batch, num_pages=cfg.num_pages,
                    host=cfg.host, advertise_host=cfg.advertise_host,
                    bootstrap_port=cfg.bootstrap_port, log_level=cfg.log_level,

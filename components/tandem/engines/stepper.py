@@ -29,7 +29,7 @@ from typing import Any
 
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
-from tandem.engines.outputs import Items, Step, deliver, make_output, step_rare
+from tandem.engines.outputs import Step, deliver, ending
 from tandem.engines.pd import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
@@ -59,10 +59,12 @@ class Stepper(Engine):
 
     page_bytes: int = 0  # bytes of one KV page: what a mover moves
     step_thread = False
+    output_mode: OutputMode = "incremental"  # the default: a step holds just the new token
 
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
-                 output_mode: OutputMode, max_prefill_tokens: int,
+                 output_mode: OutputMode | None, max_prefill_tokens: int,
                  handoff: HandoffSpec | None = None) -> None:
+        output_mode = output_mode or self.output_mode
         if output_mode not in ("cumulative", "incremental"):
             raise ValueError(f"output_mode must be cumulative or incremental, not {output_mode!r}")
         if page_size <= 0 or max_batch <= 0 or num_pages <= 0:
@@ -159,7 +161,7 @@ class Stepper(Engine):
             for seq in seqs:
                 seq.in_flight = False
             ended = [s for s in seqs if self._last(s)]
-        self._deliver([(s, self._output(s, [], "abort")) for s in ended])
+        deliver(self.name, [(s, ending(s, "abort")) for s in ended], self._cumulative)
         if self.handoff is not None:  # ends the transfers: no write can land after this
             await self.handoff.close()
         with self._lock:
@@ -217,19 +219,17 @@ class Stepper(Engine):
             self._notify()
 
     def joined(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
-        """Decode: the prompt's K/V is in place; the request runs on from `first`."""
+        """Decode: the prompt's K/V is in place; the request runs on from `first`, which is
+        postprocessed as a step's token is."""
         with self._lock:
             seq.handoff = None
             if seq.done or self._closed:
                 self.sched.finish(seq, "abort")  # nothing writes into the pages any more
                 self._notify()
                 return
-            if seq.logprobs is not None and logprobs is not None:
-                seq.logprobs.append(logprobs)
-            finish = self.sched.join(seq, first)
-            seq.done = finish is not None
-            self._notify()
-        self._deliver([(seq, self._output(seq, [first], finish))])
+            self.sched.join(seq)
+            step = self._postprocess([seq], [first], [logprobs], None)
+        deliver(self.name, step.items, self._cumulative)
 
     def written(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
@@ -240,7 +240,10 @@ class Stepper(Engine):
                 if seq.logprobs is not None and logprobs is not None:
                     seq.logprobs.append(logprobs)
         if last:
-            self._deliver([(seq, self._output(seq, [first], "length"))])
+            lps = seq.logprobs
+            out = EngineOutput(seq.rid, [first], "length", len(seq.prompt_ids),
+                               len(seq.output_ids), 0, None, None if lps is None else lps[-1:])
+            deliver(self.name, [(seq, out)], self._cumulative)
         self.free(seq, "length")
 
     def failed(self, seq: Sequence, error: EngineError) -> None:
@@ -248,7 +251,7 @@ class Stepper(Engine):
         with self._lock:
             last = self._last(seq)
         if last:
-            self._deliver([(seq, self._output(seq, [], "error", error))])
+            deliver(self.name, [(seq, ending(seq, "error", error))], self._cumulative)
 
     # --- the step ---------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -277,7 +280,7 @@ class Stepper(Engine):
                 except Exception as e:  # a failing step fails its requests, not the engine
                     error = e
             with self._lock:
-                step = self._postprocess(batch, seqs, tokens, error)
+                step = self._postprocess(seqs, tokens, batch.logprobs, error)
             self._handed_over(step)
 
     def _thread_main(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -304,47 +307,58 @@ class Stepper(Engine):
                 except Exception as e:
                     error = e
             with self._lock:
-                step = self._postprocess(batch, seqs, tokens, error)
+                step = self._postprocess(seqs, tokens, batch.logprobs, error)
             try:
                 loop.call_soon_threadsafe(self._handed_over, step)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 return
 
-    def _postprocess(self, batch: Batch, seqs: list[Sequence], tokens: list[int],
-                     error: Exception | None) -> Step:
-        """The step's bookkeeping (under the lock): tokens appended, finished requests' pages
-        freed, outputs made."""
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int],
+                     lps: list[TokenLogprobs | None] | None, error: Exception | None) -> Step:
+        """The one postprocess (under the lock), for a step's tokens and a decode request's first:
+        each token recorded, the finish rule applied (written here once), finished requests'
+        pages freed, outputs made; a prefill-only request's first token goes to the KV handoff."""
         step = Step()
-        lps = batch.logprobs
         if error is not None:
             log.error("%s engine step failed: %r", self.name, error)
             err = EngineError(f"{self.name} engine step failed: {error!r}")
             for seq in seqs:
                 seq.in_flight = False
                 if self._last(seq):
-                    step.items.append((seq, self._output(seq, [], "error", err)))
+                    step.items.append((seq, ending(seq, "error", err)))
                 if seq.handoff is not None:
                     step.failed.append(seq)  # the handoff tells its peer, then frees the pages
                 else:
                     self.sched.finish(seq, "error")
             self._notify()
             return step
-        items, cumulative, sched, finished = step.items, self._cumulative, self.sched, \
-            SeqStatus.FINISHED
+        items, sched, finished = step.items, self.sched, SeqStatus.FINISHED
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.in_flight = False
-            if seq.done or seq.logprobs is not None or seq.pd == "prefill" or \
-                    seq.status is finished:
-                step_rare(self.name, sched, cumulative, step, seq, token,
-                          lps[i] if lps is not None else None)
+            if seq.done or seq.status is finished:  # cancelled or failed meanwhile
+                sched.finish(seq, "abort")
                 continue
-            # The common case, inline (once per token): Sequence.finish_after's rules.
             out = seq.output_ids
             n_prompt = len(seq.prompt_ids)
-            seq.num_cached = n_prompt + len(out)
+            seq.num_cached = n_prompt + len(out)  # the K/V of every token before this one
+            if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
+                sched.to_sending(seq)
+                step.computed.append((seq, token, lps[i] if lps is not None else None))
+                continue
+            new_lps: list[TokenLogprobs] | None = None
+            if seq.logprobs is not None:  # (appended before the output can be read)
+                lp = lps[i] if lps is not None else None
+                if lp is None:  # the compute hook's bug: fail the request, not the engine
+                    sched.finish(seq, "error")
+                    seq.done = True
+                    items.append((seq, ending(seq, "error", EngineError(
+                        f"{self.name} engine: the step computed no logprobs for {seq.rid}"))))
+                    continue
+                seq.logprobs.append(lp)
+                new_lps = [lp]
             out.append(token)
             n = len(out)
-            finish: FinishReason | None = None
+            finish: FinishReason | None = None  # the finish rule
             if token in seq.stop_ids and seq.resume + n >= seq.sampling.min_tokens:
                 finish = "stop"
             elif n_prompt + n >= seq.max_total:
@@ -352,8 +366,8 @@ class Stepper(Engine):
             if finish is not None:
                 sched.finish(seq, finish)
                 seq.done = True
-            items.append((seq, EngineOutput(seq.rid, out if cumulative else [token], finish,
-                                            n_prompt, n)))
+            items.append((seq, EngineOutput(seq.rid, [token], finish, n_prompt, n, 0, None,
+                                            new_lps)))
         self._notify()
         return step
 
@@ -378,19 +392,9 @@ class Stepper(Engine):
         items = step.items
         if self.step_thread:
             items = [item for item in items if not item[0].cancelled]
-        self._deliver(items)
+        deliver(self.name, items, self._cumulative)
 
-    # --- delivery ---------------------------------------------------------------------------------
     def _last(self, seq: Sequence) -> bool:
         """Whether `seq` may still get its last output (and mark that it got it)."""
-        if seq.done:
-            return False
-        seq.done = True
-        return True
-
-    def _output(self, seq: Sequence, new: list[int], finish: FinishReason | None,
-                error: EngineError | None = None) -> EngineOutput:
-        return make_output(seq, new, finish, self._cumulative, error)
-
-    def _deliver(self, items: Items) -> None:
-        deliver(self.name, items)
+        last, seq.done = not seq.done, True
+        return last

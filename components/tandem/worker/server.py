@@ -153,15 +153,6 @@ class WorkerServer:
                     emit(ident, deltas)
                     deltas = []
                 ident = r.ident
-            if r.cumulative and out.finish_reason is None and out.logprobs is None:
-                # DeltaMaker.make's common case, inline (once per token)
-                offset, end = r.sent, out.completion_tokens
-                new = out.output_ids[offset:end]
-                if offset + len(new) == end:
-                    r.sent = end
-                    if new:
-                        deltas.append(Delta(out.rid, offset, new))
-                    continue
             err = out.error
             if err is None:
                 try:

@@ -49,7 +49,7 @@ class ReferenceEngine(Stepper):
     name = "reference"
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", page_size: int = 16,
-                 num_pages: int = 0, max_batch: int = 64, output_mode: OutputMode = "cumulative",
+                 num_pages: int = 0, max_batch: int = 64, output_mode: OutputMode | None = None,
                  dtype: str = "float32", max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                  handoff: HandoffSpec | None = None,
                  compute_hook: ComputeHook | None = None) -> None:
