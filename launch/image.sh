@@ -25,9 +25,11 @@ usage: $PROG cpu|gpu|wheels [options]
 
 options
   --tag NAME:TAG   image name (default: tandem:<version>-cpu, tandem:<version>)
-  --base IMAGE     cpu: the Debian 12 base to build FROM (default: one made here with
-                   debootstrap from Debian's packages, $LOCAL_BASE, kept for later builds;
-                   with a registry in reach: docker.io/library/debian:bookworm-slim)
+  --base IMAGE     the image to build FROM. cpu: a Debian 12; by default one made here with
+                   debootstrap from Debian's packages and kept for later builds as
+                   $LOCAL_BASE (with a registry in reach, e.g.
+                   docker.io/library/debian:bookworm-slim). gpu: SGLang's image of the pinned
+                   release (default: the Containerfile's SGLANG_IMAGE), e.g. your mirror of it
   --tool NAME      podman or docker (default: podman if present, else docker); where neither is
                    present and apt-get is, podman, runc and debootstrap are installed
   --push REPO      then push the image as REPO:TAG (e.g. registry.example.com/tandem)
@@ -133,5 +135,5 @@ case $TARGET in
     build cpu "${TAG:-tandem:$VERSION-cpu}" --build-arg "CPU_BASE=$BASE" ;;
   gpu)
     tools; wheels gpu
-    build gpu "${TAG:-tandem:$VERSION}" ;;
+    build gpu "${TAG:-tandem:$VERSION}" ${BASE:+--build-arg "SGLANG_IMAGE=$BASE"} ;;
 esac
