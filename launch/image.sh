@@ -60,6 +60,10 @@ done
 VERSION=$(pin TANDEM_VERSION) TORCH=$(pin TORCH_VERSION) NIXL=$(pin NIXL_VERSION)
 [[ -n $VERSION && -n $TORCH && -n $NIXL ]] || die "no version ARGs in $CF"
 ARCH=$(uname -m)
+# What tandem the image holds: its sources and pins, hashed (a label; tests/deploy/test_image.py
+# runs the image only when it holds this checkout's tandem).
+SOURCE=$(cd "$ROOT" && { find runtime components -name '*.py'; echo pyproject.toml; } |
+  LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
 
 wheels() {  # $1 = cpu: everything the cpu image installs (offline); gpu: tandem's own wheel
   mkdir -p "$WHEELS"
@@ -117,7 +121,8 @@ build() {  # $1: target, $2: tag, then extra build args
   # Containers here may not raise rlimits past the hard limits (the default asks for more).
   [[ $TOOL == podman ]] && extra+=(--isolation chroot)
   echo "$PROG: $TOOL build --target $target -t $tag"
-  "$TOOL" build -f "$CF" --target "$target" -t "$tag" "${extra[@]}" "$@" "$ROOT"
+  "$TOOL" build -f "$CF" --target "$target" -t "$tag" --label "tandem.source-sha256=$SOURCE" \
+    "${extra[@]}" "$@" "$ROOT"
   echo "$PROG: built $tag ($("$TOOL" image inspect --format '{{.Size}}' "$tag" |
     awk '{printf "%.0f MB", $1 / 1e6}'))"
   if [[ -n $PUSH ]]; then

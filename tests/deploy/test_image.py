@@ -8,6 +8,7 @@ image starts a 1P1D mock cluster (`tandem up`) and the host streams a completion
 
 from __future__ import annotations
 
+import hashlib
 import re
 import resource
 import secrets
@@ -136,13 +137,28 @@ def test_image_sh_explains_itself_and_refuses_a_bad_target() -> None:
 
 # --- running -----------------------------------------------------------------------------------
 
+def source_sha256() -> str:
+    """launch/image.sh's label: sha256sum over tandem's sources and pyproject.toml, hashed."""
+    paths = sorted([*(str(p.relative_to(REPO)) for d in ("runtime", "components")
+                      for p in (REPO / d).rglob("*.py")), "pyproject.toml"],
+                   key=lambda p: p.encode())
+    listing = "".join(f"{hashlib.sha256((REPO / p).read_bytes()).hexdigest()}  {p}\n"
+                      for p in paths)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def _podman() -> str:
     exe = shutil.which("podman")
     if exe is None:
         pytest.skip("podman is not installed (make image installs it from Debian's packages)")
+    build = "build it with `make image` (launch/image.sh cpu, a few minutes; a minute again)"
     if subprocess.run([exe, "image", "exists", CPU_IMAGE], timeout=60).returncode != 0:
-        pytest.skip(f"no image {CPU_IMAGE}: build it with `make image` (launch/image.sh cpu, "
-                    "a few minutes)")
+        pytest.skip(f"no image {CPU_IMAGE}: {build}")
+    label = subprocess.run([exe, "image", "inspect", "--format",
+                            '{{index .Labels "tandem.source-sha256"}}', CPU_IMAGE],
+                           capture_output=True, text=True, timeout=60).stdout.strip()
+    if label != source_sha256():
+        pytest.skip(f"{CPU_IMAGE} holds another checkout's tandem: {build}")
     return exe
 
 
