@@ -3,7 +3,8 @@
 Static, always: the Containerfile's versions equal the project's pins and the manifests' tags;
 both final stages run as an unprivileged user and hold no model and no build tools; the build
 context is only the wheelhouse and perf/. Running, where podman and the CPU image are here: the
-image starts a 1P1D mock cluster (`tandem up`) and the host streams a completion from it.
+image starts a 1P1D mock cluster (`tandem up`), the host streams a completion from it, and the
+sweep Job's command runs in it against that cluster.
 """
 
 from __future__ import annotations
@@ -236,6 +237,15 @@ def test_the_cpu_image_serves_a_1p1d_mock_cluster_that_the_host_streams_from(
         assert _in(exe, name, "python", "-c", "import pip").returncode != 0
         tools = _in(exe, name, "sh", "-c", "command -v pip pip3 gcc cc c++ make || true")
         assert tools.stdout.strip() == "", tools.stdout
+
+        # The sweep Job's command (perf/ in /opt/tandem), briefly, against this cluster.
+        sweep = subprocess.run([exe, "exec", "--workdir", "/opt/tandem", name, "python", "-m",
+                                "perf.sweep", "--url", url, "--model", "/models/model",
+                                "--concurrency", "1,4", "--requests-per-level", "8",
+                                "--max-tokens", "8", "--out", "/tmp/sweep/sweep"],
+                               capture_output=True, text=True, timeout=180)
+        assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+        assert _in(exe, name, "test", "-s", "/tmp/sweep/sweep.png").returncode == 0
 
         # SIGTERM: tandem up stops its cluster and the container ends by itself.
         subprocess.run([exe, "stop", "--time", "30", name], capture_output=True, timeout=90)
