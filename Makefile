@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 # NIXL wheels declare an unpinned torch dependency: install them without deps.
 NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
 
-.PHONY: demo test venv clean gpu-wheels
+.PHONY: demo test venv clean gpu-wheels image
 
 venv: $(BIN)/.ready
 
@@ -37,6 +37,13 @@ demo: $(BIN)/.ready $(MODEL)/config.json
 
 test: $(BIN)/.ready
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The CPU container image, tandem:<version>-cpu (Containerfile, target cpu), with podman: from a
+# Debian root debootstrapped here where no image registry is reachable; installs podman, runc and
+# debootstrap from Debian's packages when missing. The GPU image: launch/image.sh gpu (needs
+# SGLang's image from its registry). launch/README.md has both and how to push them.
+image:
+	PYTHON=$(PYTHON) launch/image.sh cpu
 
 # The wheels a bare GPU machine lacks, for tests/gpu/run_on_device.sh (cp312 manylinux, into .whl/).
 gpu-wheels:

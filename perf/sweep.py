@@ -142,12 +142,19 @@ def write_outputs(out: str, meta: dict, rows: list[dict]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is missing; no plot", file=sys.stderr)
         return
+    plot(meta, rows).savefig(out + ".png", dpi=90)
+
+
+def plot(meta: dict, rows: list[dict]):
+    """Four panels over concurrency: streamed tokens/s, TTFT, inter-token gap, and CPU-µs per
+    streamed token (frontend + workers and each process with --launch; the load client always)."""
+    import matplotlib.pyplot as plt
+
     xs = [r["concurrency"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    fig, ax = plt.subplots(1, 4, figsize=(20, 4))
     ax[0].plot(xs, [r["tokens_per_s"] for r in rows], "o-")
     ax[0].set_title("streamed tokens/s")
     for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "s--")):
@@ -156,17 +163,24 @@ def write_outputs(out: str, meta: dict, rows: list[dict]) -> None:
     for key, style in (("itl_p50_ms", "o-"), ("itl_p99_ms", "s--")):
         ax[2].plot(xs, [r[key] for r in rows], style, label=key)
     ax[2].set_title("inter-token gap (ms)")
+    cpu = [("cpu_us_per_token", "frontend + workers", "o-")]
+    cpu += [(k, k.removeprefix("cpu_us_per_token_"), ".:") for k in rows[0]
+            if k.startswith("cpu_us_per_token_")]
+    cpu += [("client_cpu_us_per_token", "load client", "s--")]
+    for key, label, style in cpu:
+        if all(key in r for r in rows):
+            ax[3].plot(xs, [r[key] for r in rows], style, label=label)
+    ax[3].set_title("CPU-µs per streamed token")
     for a in ax:
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrency")
         a.grid(True, alpha=0.3)
-    ax[1].set_yscale("log")
-    ax[2].set_yscale("log")
-    ax[1].legend()
-    ax[2].legend()
+    for a in ax[1:]:
+        a.set_yscale("log")
+        a.legend(fontsize="small")
     fig.suptitle(meta.get("title", ""))
     fig.tight_layout()
-    fig.savefig(out + ".png", dpi=90)
+    return fig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

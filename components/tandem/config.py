@@ -309,6 +309,10 @@ class FrontendConfig(Common):
     http_body_timeout_s: float = opt(60.0, "seconds a request's body may take to arrive before "
                                      "the request gets 408", flag="--http-body-timeout",
                                      type=positive_float)
+    worker_start_timeout_s: float = opt(60.0, "seconds a worker that has never answered may "
+                                        "take to start before the log calls it unreachable (one "
+                                        "that was up: the 3 s heartbeat deadline)",
+                                        flag="--worker-start-timeout", type=positive_float)
     router: RouterConfig = opt(RouterConfig(), "router flags")
 
 

@@ -35,7 +35,7 @@ from tandem.config import (
 
 COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded to every child
 PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port")
-PER_FRONTEND = ("port", "workers", "reuse_port")
+PER_FRONTEND = ("port", "workers", "reuse_port", "worker_start_timeout_s")
 DEMO_MAX_TOKENS = 48
 RESTARTS, RESTART_WINDOW_S = 5, 60.0  # a worker restarted more often than this stops the cluster
 
@@ -86,7 +86,9 @@ def make_plan(cfg: UpConfig, fwd: Forwarded) -> launcher.Plan:
         launcher.Shape(agg=cfg.workers)
     return launcher.plan(shape, cfg.model, host=cfg.host, http_port=cfg.port,
                          worker_base_port=cfg.worker_base_port, frontends=cfg.frontends,
-                         worker_args=fwd.worker, frontend_args=fwd.frontend)
+                         worker_args=fwd.worker, frontend_args=(
+                             *fwd.frontend,  # while up waits for its workers, starting is no alarm
+                             "--worker-start-timeout", f"{cfg.ready_timeout_s:g}"))
 
 
 def printable(text: str) -> str:

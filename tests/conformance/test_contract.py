@@ -115,8 +115,8 @@ async def test_cancel_a_request_waiting_for_pages(make: Make) -> None:
     sp = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
     first = sink.submit(engine, "first", [1, 2, 3], sp)
     second = sink.submit(engine, "second", [1, 2, 3], sp)
-    while not first.outputs:
-        await asyncio.sleep(0.001)
+    while not first.outputs:  # a yield, not a millisecond: in one, the mock runs all 60 steps
+        await asyncio.sleep(0)
     assert engine.load().waiting == 1 and first.finish is None
     assert second.handle is not None
     second.handle.cancel()

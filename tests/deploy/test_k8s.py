@@ -28,7 +28,8 @@ DIRS = kustomizations()
 IDS = [str(d.relative_to(K8S)) for d in DIRS]
 DEPLOYMENTS = [d for d in DIRS if d.name != "sweep"]  # the sweep Job runs against a deployment
 DEPLOYMENT_IDS = [str(d.relative_to(K8S)) for d in DEPLOYMENTS]
-IMAGE = "registry.example.com/tandem:0.1.0"
+GPU_IMAGE = "registry.example.com/tandem:0.1.0"  # workers (SGLang)
+CPU_IMAGE = "registry.example.com/tandem:0.1.0-cpu"  # frontends and the sweep: no GPU
 UCX_RANGE = (20000, 20999)
 
 
@@ -90,11 +91,18 @@ def test_the_validator_rejects_what_it_should(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("directory", DIRS, ids=IDS)
-def test_images_and_resources(directory: Path) -> None:
+def test_images_users_and_resources(directory: Path) -> None:
     for w in workloads(directory):
         spec = pod_spec(w)
+        gpu = component(w) in ("prefill", "decode")
         for c in spec.get("initContainers", []) + spec["containers"]:
-            assert c["image"] == IMAGE, f"{w['metadata']['name']}/{c['name']}: {c['image']}"
+            where = f"{w['metadata']['name']}/{c['name']}"
+            assert c["image"] == (GPU_IMAGE if gpu else CPU_IMAGE), f"{where}: {c['image']}"
+            sc = {**spec.get("securityContext", {}), **c.get("securityContext", {})}
+            if "IPC_LOCK" in sc.get("capabilities", {}).get("add", []):  # RDMA: root's only
+                assert sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False, where
+            else:
+                assert sc.get("runAsNonRoot") is True, f"{where} may run as root"
             req = c.get("resources", {}).get("requests", {})
             assert "cpu" in req and "memory" in req, f"{c['name']} has no resource requests"
 

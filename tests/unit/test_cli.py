@@ -321,3 +321,13 @@ def test_config_fields_are_frozen_and_every_field_is_documented() -> None:
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(cls(), "host", "x")
+
+
+def test_up_gives_its_frontends_its_ready_timeout_as_the_worker_start_timeout(model: str) -> None:
+    """While up waits for its workers, the frontends do not call a starting worker unreachable."""
+    cmd = parse(["up", "--model", model, "--prefill", "1", "--decode", "1",
+                 "--ready-timeout", "300"])
+    assert isinstance(cmd.config, UpConfig) and cmd.forwarded is not None
+    for f in up.make_plan(cmd.config, cmd.forwarded).frontends:
+        cfg = parse(list(f.argv)).config
+        assert isinstance(cfg, FrontendConfig) and cfg.worker_start_timeout_s == 300.0

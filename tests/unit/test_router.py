@@ -343,3 +343,34 @@ def test_an_unreachable_worker_is_reported_once(caplog: pytest.LogCaptureFixture
             now[0] += 0.5
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(said) == 1 and "tcp://10.0.0.9:7100" in said[0], said
+
+
+def test_a_worker_still_starting_is_reported_only_after_the_start_timeout(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that never answered gets `start_timeout_s` (tandem up: its --ready-timeout) before
+    the warning; once it has been up, a silent one is reported after the heartbeat deadline."""
+    from tandem.runtime import wire
+    from tandem.runtime.channel import memory_pair
+
+    now = [100.0]
+    frontend_end, _worker_end = memory_pair()
+    link = WorkerLink("tcp://127.0.0.1:7100", "fe", frontend_end, clock=lambda: now[0],
+                      heartbeat_deadline_s=3.0, start_timeout_s=30.0)
+
+    def run(seconds: float) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tandem.router"):
+            for _ in range(int(seconds / 0.5)):
+                link.tick()
+                now[0] += 0.5
+        return [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+
+    assert run(29) == []  # starting: no alarm within the start timeout
+    assert len(run(3)) == 1  # past it: said once
+    link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, wire.WorkerInfo(
+        "w", "agg", "mock", "m", 16, 64, 2048)))
+    assert link.state == "up"
+    link.tick()  # a heartbeat while up
+    link.on_disconnected()  # it was up: now the heartbeat deadline applies
+    said = run(5)
+    assert len(said) == 1 and "for 3.5s" in said[0], said

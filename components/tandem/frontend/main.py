@@ -27,7 +27,7 @@ def run_frontend(cfg: FrontendConfig) -> None:
 
 async def _main(cfg: FrontendConfig, stop: asyncio.Event) -> None:
     transport.use_keys(auth.load_keys(cfg.auth_keys) if cfg.auth_keys else None)
-    pool = WorkerPool(router=cfg.router)
+    pool = WorkerPool(router=cfg.router, start_timeout_s=cfg.worker_start_timeout_s)
     discovery = Discovery(cfg.workers, on_change=pool.apply)
     try:
         await discovery.start()  # the first set, added to the pool before anything connects

@@ -2,7 +2,8 @@
 
 The link owns the protocol with one worker and nothing else:
 - the handshake: a Hello every heartbeat until the worker answers; a refused one makes the link
-  `incompatible` for good;
+  `incompatible` for good. An unanswered handshake is logged once as unreachable: after the
+  heartbeat deadline for a worker that was up, after `start_timeout_s` for one still starting;
 - liveness: a worker silent past the heartbeat deadline, or whose connection drops (the channel's
   `disconnects()`), is marked down at once and every request on it fails with WorkerLost (which
   moves them to other workers: tandem.router.request); it comes back up when it answers a Hello
@@ -60,6 +61,7 @@ class WorkerLink:
                  defer: Callable[[Callable[[], None]], None] = _call_soon,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_deadline_s: float = HEARTBEAT_DEADLINE_S,
+                 start_timeout_s: float | None = None,
                  load_query_timeout_s: float = LOAD_QUERY_TIMEOUT_S) -> None:
         self.address = address
         self.frontend_id = frontend_id
@@ -68,6 +70,9 @@ class WorkerLink:
         self.defer = defer
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_deadline_s = heartbeat_deadline_s
+        # How long a worker that never answered may take to start before it is called unreachable
+        # (one that was up: the heartbeat deadline). Starting is not an alarm.
+        self.start_timeout_s = heartbeat_deadline_s if start_timeout_s is None else start_timeout_s
         self.load_query_timeout_s = load_query_timeout_s
         self.info: WorkerInfo | None = None
         self.state = "connecting"  # connecting | up | down | incompatible
@@ -154,9 +159,10 @@ class WorkerLink:
             else:
                 self._send_quietly(LoadQuery(0))
         if self.state in ("connecting", "down"):
+            allowed = self.heartbeat_deadline_s if self.info is not None else self.start_timeout_s
             if self._asking_since is None:
                 self._asking_since = now
-            elif now - self._asking_since > self.heartbeat_deadline_s:
+            elif now - self._asking_since > allowed:
                 log.warning("worker %s is unreachable: no answer to the handshake for %gs "
                             "(still trying)", self.address, now - self._asking_since)
                 self._asking_since = math.inf  # said once, until it answers
