@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Handle
@@ -25,6 +26,10 @@ class Run:
     error: EngineError | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     handle: Handle | None = None
+    # Called with this run after each output is recorded, inside the sink's on_step: a test acts
+    # there at a known point of the run, not after a sleep that a fast engine can outrun. (An
+    # IteratorEngine logs and swallows what on_step raises: record there, assert after.)
+    on_output: Callable[[Run], None] | None = None
 
 
 class Recorder:
@@ -49,26 +54,31 @@ class Recorder:
         self.threads.add(threading.get_ident())
         for out in outputs:
             run = self.runs[out.rid]
-            assert run.finish is None, f"{out.rid}: an output after its last one"
-            n = out.completion_tokens
-            ids = list(out.output_ids[:n]) if self.mode == "cumulative" else list(out.output_ids)
-            run.outputs.append((ids, out.finish_reason, n))
-            if out.error is not None:
-                assert out.finish_reason == "error"
-                run.error, run.finish = out.error, "error"
-                run.done.set()
-                continue
-            delta = self.makers[out.rid].make(out)  # raises when out of step
-            if delta is not None:
-                assert delta.offset + len(delta.token_ids) == n
-                run.ids.extend(delta.token_ids)
-                if delta.logprobs is not None:
-                    assert len(delta.logprobs) == len(delta.token_ids)
-                    assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
-                    run.logprobs.extend(delta.logprobs)
-            if out.finish_reason is not None:
-                run.finish = out.finish_reason
-                run.done.set()
+            self._record(run, out)
+            if run.on_output is not None:
+                run.on_output(run)
+
+    def _record(self, run: Run, out: EngineOutput) -> None:
+        assert run.finish is None, f"{out.rid}: an output after its last one"
+        n = out.completion_tokens
+        ids = list(out.output_ids[:n]) if self.mode == "cumulative" else list(out.output_ids)
+        run.outputs.append((ids, out.finish_reason, n))
+        if out.error is not None:
+            assert out.finish_reason == "error"
+            run.error, run.finish = out.error, "error"
+            run.done.set()
+            return
+        delta = self.makers[out.rid].make(out)  # raises when out of step
+        if delta is not None:
+            assert delta.offset + len(delta.token_ids) == n
+            run.ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                assert len(delta.logprobs) == len(delta.token_ids)
+                assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
+                run.logprobs.extend(delta.logprobs)
+        if out.finish_reason is not None:
+            run.finish = out.finish_reason
+            run.done.set()
 
     def submit(self, engine: Engine, rid: str, prompt: list[int], sp: SamplingParams,
                bootstrap: Bootstrap | None = None) -> Run:

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError
-from tandem.runtime.wire import SamplingParams
+from tandem.runtime.wire import Load, SamplingParams
 from tests.conformance.engines import Make, PdLink
-from tests.conformance.harness import Recorder, finished, generate, wait_idle
+from tests.conformance.harness import Recorder, Run, finished, generate, wait_idle
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 PROMPTS = [[0, 5, 100, 200, 7, 900], [0, 17], [3, 2, 1, 4, 1023, 8, 9], [0, *range(300, 320)]]
@@ -91,20 +91,31 @@ async def test_both_output_modes_give_the_same_tokens(make: Make) -> None:
         await wait_idle(e)
 
 
+# The cancel and shutdown tests act from inside the sink (Run.on_output) at a known output, never
+# after a sleep: a mock or SGLang-fake step costs one event-loop pass, so even a 1 ms sleep can wake
+# after the request has ended. On those loop-driven engines nothing steps between an output and
+# what its callback does. The reference engine steps on its own thread and may be a few steps ahead
+# of the loop, but each test acts with 59 or more of the request's steps (milliseconds each) to go.
 async def test_cancel_frees_pages_and_silences_the_sink(make: Make) -> None:
     engine = await make(num_pages=300)
     sink = Recorder(engine)
     sp = SamplingParams(max_tokens=1000, ignore_eos=True, **GREEDY)
     long = sink.submit(engine, "long", PROMPTS[0], sp)
-    other = sink.submit(engine, "other", PROMPTS[1], SamplingParams(max_tokens=60, **GREEDY))
-    while len(long.outputs) < 3:
-        await asyncio.sleep(0.001)
-    assert engine.load().pages_free < engine.num_pages
+    other = sink.submit(engine, "other", PROMPTS[1],
+                        SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY))
+    held: list[bool] = []
+
+    def cancel_at_the_third(run: Run) -> None:  # `long` has 997 tokens to go
+        if len(run.outputs) == 3:
+            held.append(engine.load().pages_free < engine.num_pages)
+            assert run.handle is not None
+            run.handle.cancel()
+
+    long.on_output = cancel_at_the_third
+    await finished(other)  # 57 steps went on; the cancelled request got nothing more
+    assert held == [True]
+    assert len(long.outputs) == 3 and long.finish is None
     assert long.handle is not None
-    long.handle.cancel()
-    n = len(long.outputs)
-    await finished(other)  # steps went on; the cancelled request got nothing more
-    assert len(long.outputs) == n and long.finish is None
     long.handle.cancel()  # twice is harmless
     await wait_idle(engine)
 
@@ -115,22 +126,29 @@ async def test_cancel_a_request_waiting_for_pages(make: Make) -> None:
     sp = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
     first = sink.submit(engine, "first", [1, 2, 3], sp)
     second = sink.submit(engine, "second", [1, 2, 3], sp)
-    while not first.outputs:  # a yield, not a millisecond: in one, the mock runs all 60 steps
-        await asyncio.sleep(0)
-    assert engine.load().waiting == 1 and first.finish is None
-    assert second.handle is not None
-    second.handle.cancel()
+    loads: list[Load] = []
+
+    def cancel_second(run: Run) -> None:  # on `first`'s first output: it has 59 tokens to go
+        if len(run.outputs) == 1:
+            loads.append(engine.load())
+            assert second.handle is not None
+            second.handle.cancel()
+
+    first.on_output = cancel_second
     await finished(first)
-    assert second.outputs == []
+    assert [(load.running, load.waiting) for load in loads] == [(1, 1)]  # `second` was waiting
+    assert first.finish == "length" and len(first.ids) == 60
     await wait_idle(engine)
+    assert second.outputs == []  # (checked once idle: nothing can still come)
 
 
 async def test_shutdown_ends_requests_with_abort(make: Make) -> None:
     engine = await make()
     sink = Recorder(engine)
     run = sink.submit(engine, "r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
-    while not run.outputs:
-        await asyncio.sleep(0.001)
+    started = asyncio.Event()
+    run.on_output = lambda _: started.set()
+    await started.wait()  # one loop pass after the first output: 199 tokens to go
     await engine.shutdown()
     assert run.finish == "abort" and run.done.is_set()
     assert engine.load().pages_free == engine.num_pages

@@ -292,12 +292,16 @@ async def test_from_sigterm_a_worker_process_is_not_ready_and_reports_draining(
             while await asyncio.to_thread(status) != 200:
                 await asyncio.sleep(0.1)
         await fe.hello()
-        await fe.send(Generates([Generate("long", [5], SamplingParams(max_tokens=100,
+        # "long" runs for 20 s (1000 steps of 20 ms): the worker drains, up and not ready, for
+        # longer than any loaded machine takes to finish this test (which then kills it).
+        await fe.send(Generates([Generate("long", [5], SamplingParams(max_tokens=1000,
                                                                       ignore_eos=True))]))
         assert isinstance(await fe.recv(), Deltas)  # running
         os.kill(p.pid, signal.SIGTERM)
-        await asyncio.sleep(0.2)
-        assert await asyncio.to_thread(status) == 503
+        async with asyncio.timeout(10):  # (the signal is handled when the worker gets to it)
+            while (code := await asyncio.to_thread(status)) == 200:
+                await asyncio.sleep(0.02)
+        assert code == 503
         await fe.send(LoadQuery(7))
         await fe.send(Generates([Generate("new", [5], SamplingParams(max_tokens=4))]))
         seen_report, refused = False, False

@@ -97,8 +97,13 @@ async def test_without_credit_the_worker_holds_and_merges_then_credit_releases_a
         prompts = {f"r{i}": [7, i + 1, 3] for i in range(4)}
         for rid, prompt in prompts.items():
             await fe.send(Generate(rid, prompt, SamplingParams(max_tokens=200, ignore_eos=True)))
-        # ~400 engine steps of 2 ms run while we give no credit: only the window's worth arrives.
-        held = await fe.deltas(timeout=0.8)
+        # The window fills (a message past the first tokens comes, however slow the machine),
+        # then ~400 engine steps of 2 ms run while we give no credit: nothing more arrives.
+        held: list[Deltas] = []
+        while not any(d.offset for m in held for d in m.items):
+            if isinstance(msg := await fe.recv(10.0), Deltas):
+                held.append(msg)
+        held += await fe.deltas(timeout=0.8)
         # The window's worth of messages; past it only first tokens (one message at most each).
         assert 1 <= sum(1 for m in held if any(d.offset for d in m.items)) <= 2
         assert len(held) <= 2 + len(prompts)

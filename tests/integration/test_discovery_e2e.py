@@ -64,8 +64,9 @@ async def test_pool_follows_discovery_changes() -> None:
     (h_w0,) = [h for h, a in ((h0, a0), (h1, a1)) if a == "tcp://w0"]
     busy.on_deltas(Deltas([Delta(h_w0.rid, 0, [7], "length", Usage(1, 1))]))  # it ends
     assert busy not in pool.links  # dropped once its last request ended
-    await asyncio.sleep(0.3)
-    assert busy.channel.closed
+    async with asyncio.timeout(10):  # closed once its last messages had LEAVE_GRACE_S to leave
+        while not busy.channel.closed:
+            await asyncio.sleep(0.01)
     snap = {r["address"] for r in await pool.snapshot()}
     assert snap == {"tcp://w1"}
     await pool.close()

@@ -196,9 +196,9 @@ async def test_dead_peer_fails_fast_with_peer_gone() -> None:
         target.kill()
         for agent, peer, pages in ((warm, warm_peer, [1, 2]), (cold, cold_peer, list(range(16)))):
             t0 = time.monotonic()
-            with pytest.raises(PeerGone):
-                await agent.write_pages(peer, pages, pages, deadline_s=2.0)
-            assert time.monotonic() - t0 < 2.0
+            with pytest.raises(PeerGone):  # not KvTransferTimeout: it did not wait the deadline out
+                await agent.write_pages(peer, pages, pages, deadline_s=30.0)
+            assert time.monotonic() - t0 < 15  # fast: well inside the deadline, even on a busy box
             assert agent.num_open_transfers == 0
             agent.remove_peer(peer)
     finally:
@@ -216,7 +216,9 @@ async def test_deadline_fires_and_releases_handle(source: tuple[KvAgent, torch.T
             t0 = time.monotonic()
             with pytest.raises(KvTransferTimeout):
                 await agent.write_pages(peer, pages, pages, deadline_s=0.5)
-            assert 0.5 <= time.monotonic() - t0 < 3.0
+            # The 0.5 s deadline fired (a target that makes no progress never completes, and the
+            # default deadline is 10 s): the upper bound leaves seconds for a loaded machine.
+            assert 0.5 <= time.monotonic() - t0 < 8.0
             assert agent.num_open_transfers == 0
         # The agent stays usable: once the target makes progress, writes complete.
         quiet.conn.send("progress")

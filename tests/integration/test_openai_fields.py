@@ -263,12 +263,17 @@ def test_access_and_stats_lines(cluster, client, model):
     import time
 
     r = greedy(client, model, n=3)
-    time.sleep(1.2)
     assert cluster.frontend is not None
-    lines = [json.loads(x) for x in cluster.frontend.log(200_000).splitlines()
-             if x.startswith("{")]
-    access = [x for x in lines if x["logger"] == "tandem.access"
-              and x.get("path") == "/v1/completions" and x.get("rid") == r.id]
+    deadline = time.monotonic() + 10  # the lines are written when the request ends and every
+    while True:  # 0.5 s (stats): wait for them, however slowly the frontend gets to it
+        lines = [json.loads(x) for x in cluster.frontend.log(200_000).splitlines()
+                 if x.startswith("{")]
+        access = [x for x in lines if x["logger"] == "tandem.access"
+                  and x.get("path") == "/v1/completions" and x.get("rid") == r.id]
+        if (access and any(x["logger"] == "tandem.stats" for x in lines)
+                or time.monotonic() > deadline):
+            break
+        time.sleep(0.1)
     assert access and access[0]["status"] == 200 and access[0]["completion_tokens"] == 3
     assert access[0]["prompt_tokens"] == r.usage.prompt_tokens and access[0]["ttft_s"] > 0
     assert any(x["logger"] == "tandem.stats" for x in lines)

@@ -16,7 +16,7 @@ from tandem.kv.handoff import QUARANTINE_GRACE_S
 from tandem.runtime.wire import SamplingParams, TokenLogprobs
 from tandem.worker.deltas import DeltaMaker
 from tests.conformance.engines import PdLink
-from tests.conformance.harness import Recorder, finished, wait_idle
+from tests.conformance.harness import Recorder, Run, finished, wait_idle
 
 
 def test_cumulative_slices_by_sent_count_and_ignores_growth_of_a_live_list():
@@ -99,14 +99,23 @@ async def test_mock_engine_cancel_frees_pages_and_silences_the_sink(mock_dir):
     try:
         sink = Recorder(eng)
         run = sink.submit(eng, "a", [1, 2, 3], SamplingParams(max_tokens=100))
-        while len(run.outputs) < 3:
-            await asyncio.sleep(0.001)
-        assert eng.load().pages_free < 64 and run.handle is not None
-        run.handle.cancel()
-        n = len(run.outputs)
+        held: list[int] = []
+        cancelled = asyncio.Event()
+
+        def cancel_at_the_third(r: Run) -> None:  # from the sink: a known point, 97 steps to go
+            if len(r.outputs) == 3:
+                held.append(eng.load().pages_free)
+                assert r.handle is not None
+                r.handle.cancel()
+                cancelled.set()
+
+        run.on_output = cancel_at_the_third
+        await asyncio.wait_for(cancelled.wait(), 10)
+        assert held[0] < 64
         await asyncio.sleep(0.02)  # steps go on; the cancelled request gets nothing more
-        assert len(run.outputs) == n and run.finish is None and run.error is None
+        assert len(run.outputs) == 3 and run.finish is None and run.error is None
         assert eng.load().pages_free == 64 and eng.load().running == 0
+        assert run.handle is not None
         run.handle.cancel()  # twice is harmless
         eng.pool.check()
     finally:
@@ -200,7 +209,7 @@ async def test_mock_decode_cancelled_during_the_handoff_frees_its_pages_after_qu
         assert run.handle is not None
         run.handle.cancel()
         assert d.load().pages_reserved > 0  # P might still write: quarantined, not freed
-        await wait_idle(d, timeout=0.2 + QUARANTINE_GRACE_S + 2.0)
+        await wait_idle(d, timeout=0.2 + QUARANTINE_GRACE_S + 10.0)  # (a deadline for a hang)
         assert run.outputs == []
     finally:
         await d.shutdown()

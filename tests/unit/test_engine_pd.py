@@ -21,7 +21,7 @@ from tandem.engines.pd import DecodeHandoff, Host, PrefillHandoff
 from tandem.kv.handoff import Destination
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import Bootstrap, SamplingParams
-from tests.conformance.harness import Recorder, finished, wait_idle
+from tests.conformance.harness import Recorder, Run, finished, wait_idle
 
 VOCAB = 500
 B = Bootstrap("fake", 1, 7)
@@ -138,12 +138,18 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
     its first token goes out when the K/V is in place, while the step still runs (the busy
     request's outputs are the clock: none arrives in between)."""
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch, timing=MockTiming(decode_step_s=1.0))
+    d = await engine(mock_dir, DecodeHandoff, ch)
     try:
         busy = Recorder(d).submit(d, "busy", [7, 8], SamplingParams(max_tokens=50))  # (agg)
+
+        def slow_down(_: Run) -> None:  # in the sink, so before the next step starts: from
+            d.timing = MockTiming(decode_step_s=60.0)  # now on a step lasts a minute, longer
+            # than any loaded machine takes to run this test
+
+        busy.on_output = slow_down
         while not busy.outputs:
             await asyncio.sleep(0.001)
-        seen = len(busy.outputs)  # now inside a one-second decode step
+        seen = len(busy.outputs)  # now inside that step
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0.001)
@@ -171,7 +177,7 @@ async def test_decode_failure_ends_at_once_but_pages_wait_for_release(mock_dir: 
         await asyncio.sleep(0.01)
         assert d.load().pages_reserved > 0  # quarantined: a write might still land
         ch.writes_over()
-        await wait_idle(d, timeout=0.5)
+        await wait_idle(d)
     finally:
         await d.shutdown()
 
@@ -188,7 +194,7 @@ async def test_decode_cancelled_mid_fetch_is_silent_and_quarantined(mock_dir: st
         await asyncio.sleep(0.01)
         assert d.load().pages_reserved > 0 and run.outputs == []
         ch.writes_over()
-        await wait_idle(d, timeout=0.5)
+        await wait_idle(d)
     finally:
         await d.shutdown()
 
@@ -202,7 +208,7 @@ async def test_decode_cancelled_before_its_fetch_began_frees_at_once(mock_dir: s
             await asyncio.sleep(0)
         assert run.handle is not None and ch.calls == []
         run.handle.cancel()
-        await wait_idle(d, timeout=0.5)
+        await wait_idle(d)
         assert ch.calls == [] and run.outputs == []
     finally:
         await d.shutdown()
@@ -214,7 +220,9 @@ async def test_prefill_waits_for_room_writes_then_ends(mock_dir: str) -> None:
     try:
         assert p.bootstrap_addr == "fake:1"
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
-        await asyncio.sleep(0.01)  # computed, waiting for the room: the prompt's pages held
+        async with asyncio.timeout(10):  # computed, waiting for the room: its pages held
+            while p.load().pages_free == 32:
+                await asyncio.sleep(0)
         assert p.load().pages_free == 31 and not ch.writes
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
@@ -246,7 +254,7 @@ async def test_prefill_cancelled_during_its_write_keeps_pages_until_it_ends(
         await asyncio.sleep(0.01)
         assert p.load().pages_free == 31  # the write goes on into the decode side's pages
         ch.writes[0].set_result(None)
-        await wait_idle(p, timeout=0.5)
+        await wait_idle(p)
         assert run.outputs == [] and ch.failed == []
     finally:
         await p.shutdown()
@@ -260,7 +268,7 @@ async def test_prefill_cancelled_before_its_write_fails_the_room(mock_dir: str) 
         await asyncio.sleep(0.01)
         assert run.handle is not None
         run.handle.cancel()
-        await wait_idle(p, timeout=0.5)
+        await wait_idle(p)
         assert ch.failed == [(7, "the prefill request was aborted")] and run.outputs == []
     finally:
         await p.shutdown()
