@@ -36,8 +36,9 @@ engine's outputs start with the first token the prefill side sampled. A prefill 
 where decode engines reach it in `bootstrap_addr` (set by `start()`).
 
 An engine whose library only yields outputs per request (SGLang's `async_generate`) sits behind
-`tandem.engines.iterator.IteratorEngine`, which turns per-request iterators into `on_step` calls;
-it is the only place where per-request tasks exist.
+`tandem.engines.iterator.IteratorEngine`, which turns per-request iterators into `on_step` calls
+with a task per request. Outputs of tandem's own engines need none; only their PD handoff runs a
+task per request beside the steps, for its KV transfer (tandem.engines.pd).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Which sequences run in the next step, and their page bookkeeping. Plain Python over PagePool;
-no torch and no threads here: every call is made on the event loop thread (tandem.engines.stepper).
+no torch here. It is called from one thread at a time: the event loop's for the mock engine; for
+the reference engine, its step thread's and the loop's, under the stepper's lock
+(tandem.engines.stepper).
 
 A sequence is admitted from the waiting queue (FIFO) only when the pool can give it pages for
 `max_total` tokens up front, so decode never runs out of pages mid-request. A step is: the running
