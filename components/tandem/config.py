@@ -38,6 +38,7 @@ OUTPUT_MODES: tuple[OutputMode, ...] = ("cumulative", "incremental")
 LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 HTTP_SERVERS: tuple[HttpServer, ...] = ("uvicorn", "granian")
 ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("least-loaded", "round-robin", "prefix")
+ENGINES = ("reference", "mock", "sglang")  # what a worker can run (tandem.engines.factory builds it)
 PASSTHROUGH_ENGINES = ("sglang",)  # engines whose own flags pass through `tandem worker` untouched
 
 RETRY_AFTER_S = 1.0  # what a 503 from the router tells the client to wait
@@ -118,14 +119,6 @@ def address_list(text: str) -> tuple[str, ...]:
     return addrs
 
 
-def engine_names() -> tuple[str, ...]:
-    """The engines a worker can run: `tandem.engines.factory.ENGINES`, read when a parser is built
-    (imported here, not at module level, since the factory imports this module)."""
-    from tandem.engines.factory import ENGINES
-
-    return tuple(ENGINES)
-
-
 def served_name(model: str) -> str:
     """The model name clients send when none is configured: the model directory's name as given
     (`.` is the current directory's name; a symlink keeps its own name)."""
@@ -194,7 +187,7 @@ class WorkerConfig(MockTiming, Common):
                      "and hand it to decode workers; decode: receive KV and generate", choices=ROLES)
     engine: str = opt("reference", "reference: a small Llama in torch (CPU or CUDA); mock: no "
                       "compute, deterministic tokens, for overhead and scale runs; sglang: SGLang "
-                      "(its own flags pass through)", choices=engine_names)
+                      "(its own flags pass through)", choices=ENGINES)
     port: int = opt(7100, "port of the worker's ZMQ socket (frontends connect here)", type=port)
     advertise_host: str = opt("", "address other processes reach this worker at; prefill "
                               "bootstrap and NIXL peers use it (default: the bind host)")

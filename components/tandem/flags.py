@@ -125,8 +125,6 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], *, forward
             kwargs["action"] = "store_true"
         else:
             choices = flag.meta.get("choices")
-            if callable(choices):
-                choices = choices()
             if choices:
                 kwargs["choices"] = choices
             if "type" in flag.meta:

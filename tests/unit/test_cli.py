@@ -28,15 +28,6 @@ def model(tmp_path: Path) -> str:
     return str(d)
 
 
-@pytest.fixture
-def with_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine list as it is once the SGLang adapter is registered."""
-    from tandem.engines import factory
-
-    if "sglang" not in factory.ENGINES:
-        monkeypatch.setattr(factory, "ENGINES", (*factory.ENGINES, "sglang"))
-
-
 def error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as e:
         parse(argv)
@@ -136,7 +127,7 @@ def test_a_missing_model_directory_says_how_to_make_one(tmp_path: Path,
     assert "is not a model directory (no config.json)" in err and "tandem model init" in err
 
 
-def test_unknown_flags_land_in_engine_args_for_sglang(model: str, with_sglang: None) -> None:
+def test_unknown_flags_land_in_engine_args_for_sglang(model: str) -> None:
     cfg = parse(["worker", "--engine", "sglang", "--model", model, "--tp-size", "2",
                  "--page-size", "32", "--mem-fraction-static", "0.8", "--max", "7",
                  "--enable-mixed-chunk"]).config
@@ -216,8 +207,7 @@ def test_up_forwards_only_what_was_given(model: str) -> None:
     assert keyed.worker == keyed.frontend == ("--log-level", "DEBUG", "--auth-keys", "/k")
 
 
-def test_up_passes_engine_flags_to_every_worker_after_its_own(model: str,
-                                                              with_sglang: None) -> None:
+def test_up_passes_engine_flags_to_every_worker_after_its_own(model: str) -> None:
     cmd = parse(["up", "--model", model, "--engine", "sglang", "--workers", "2", "--tp-size", "2"])
     assert isinstance(cmd.config, UpConfig) and cmd.forwarded is not None
     plan = up.make_plan(cmd.config, cmd.forwarded)

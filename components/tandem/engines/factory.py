@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.config import WorkerConfig
+from tandem.config import ENGINES, WorkerConfig
 from tandem.engines.base import Engine
 from tandem.engines.pd import HandoffConfig
 from tandem.kv.movers import KvMover
 
-ENGINES = ("reference", "mock", "sglang")
 
 
 def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
