@@ -33,12 +33,12 @@ BURST = 16
 log = logging.getLogger("bench")
 
 
-def _messages() -> dict[str, wire._Tagged]:
+def _messages() -> dict[str, wire.Message]:
     deltas = wire.Deltas([wire.Delta(f"req-{i}", 10, [1000 + i]) for i in range(32)])
     return {"credit": wire.Credit(1), "deltas_32": deltas}
 
 
-async def _pyzmq(msg: wire._Tagged, n: int) -> float:
+async def _pyzmq(msg: wire.Message, n: int) -> float:
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -71,7 +71,7 @@ async def _pyzmq(msg: wire._Tagged, n: int) -> float:
     return cpu / n * 1e6
 
 
-async def _tandem(msg: wire._Tagged, n: int) -> float:
+async def _tandem(msg: wire.Message, n: int) -> float:
     router = transport._socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = transport.dealer(f"tcp://127.0.0.1:{port}", b"bench")

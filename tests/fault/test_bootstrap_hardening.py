@@ -48,7 +48,7 @@ class Decode:
         self.sock.connect(address)
         self.name = identity.decode()
 
-    async def send(self, msg: wire._Tagged) -> None:
+    async def send(self, msg: wire.Message) -> None:
         await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToDecode:

@@ -106,7 +106,7 @@ def _frames(rng: random.Random, tags: list[int]) -> list[bytes]:
 
 
 def _zmq_garbage(address: str, rng: random.Random, n: int, tags: list[int],
-                 structured: list[wire._Tagged]) -> None:
+                 structured: list[wire.Message]) -> None:
     ctx = zmq.Context.instance()
     for burst in range(max(1, n // 50)):
         sock = ctx.socket(zmq.DEALER)

@@ -69,7 +69,7 @@ class Peer:
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(address)
 
-    async def send(self, msg: wire._Tagged) -> None:
+    async def send(self, msg: wire.Message) -> None:
         await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:

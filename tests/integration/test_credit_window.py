@@ -41,7 +41,7 @@ class Frontend:
         self.sock.setsockopt(zmq.IDENTITY, b"raw-frontend")
         self.sock.connect(address)
 
-    async def send(self, msg: wire._Tagged | Generate) -> None:
+    async def send(self, msg: wire.Message | Generate) -> None:
         if isinstance(msg, Generate):  # one request: a Generates of one
             msg = wire.Generates([msg])
         await self.sock.send_multipart([wire.encode(msg)])

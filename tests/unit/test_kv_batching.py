@@ -31,7 +31,7 @@ class Prefill:
         ident, payload = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
         return ident, wire.TO_PREFILL.decode(payload)
 
-    async def send(self, ident: bytes, msg: wire._Tagged) -> None:
+    async def send(self, ident: bytes, msg: wire.Message) -> None:
         await self.sock.send_multipart([ident, wire.encode(msg)])
 
     async def accept(self) -> bytes:

@@ -162,7 +162,7 @@ class DecodeSide:
             if msg is not None:
                 self._send(conn, msg)
 
-    def _send(self, conn: _Conn, msg: wire._Tagged) -> None:
+    def _send(self, conn: _Conn, msg: wire.Message) -> None:
         try:
             transport.send_nowait(conn.sock, msg)
         except zmq.ZMQError as e:

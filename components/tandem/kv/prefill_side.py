@@ -43,10 +43,10 @@ MAX_BATCH = 4096  # KvRooms or KvDones items in one message (a pass's for one pe
 
 __all__ = ["Destination", "PrefillSide", "batches"]
 
-B = TypeVar("B", bound=wire._Tagged)
+B = TypeVar("B", bound=wire.Message)
 
 
-def batches(items: list[B], batch: Callable[[list[B]], wire._Tagged]) -> Iterator[wire._Tagged]:
+def batches(items: list[B], batch: Callable[[list[B]], wire.Message]) -> Iterator[wire.Message]:
     """`items` as messages of at most MAX_BATCH: a lone one as itself, more as `batch(items)`."""
     for i in range(0, len(items), MAX_BATCH):
         chunk = items[i:i + MAX_BATCH]
@@ -189,7 +189,7 @@ class PrefillSide:
             for msg in batches(items, KvDones):
                 self._reply(ident, msg)
 
-    def _reply(self, ident: bytes, msg: wire._Tagged) -> None:
+    def _reply(self, ident: bytes, msg: wire.Message) -> None:
         """Send to a decode peer; one that is gone (EHOSTUNREACH) or not reading (EAGAIN past the
         high-water mark) is counted and skipped: it never ends the loop."""
         assert self._sock is not None

@@ -44,7 +44,7 @@ from tandem.runtime.wire import (Abort, Credit, Deltas, Generate, Generates, Hel
 
 log = logging.getLogger("tandem.router")
 
-WorkerChannel = Channel[wire._Tagged, wire.ToFrontend]
+WorkerChannel = Channel[wire.Message, wire.ToFrontend]
 
 
 def _nothing() -> None:
@@ -276,14 +276,14 @@ class WorkerLink:
             self._queries.pop(seq, None)
 
     # --- internals --------------------------------------------------------------------------------
-    def _send(self, msg: wire._Tagged) -> None:
+    def _send(self, msg: wire.Message) -> None:
         try:
             self.channel.send_nowait(msg)
         except ChannelFull:
             raise errors.Unavailable(f"worker {self.address} is not keeping up",
                                      retry_after=1.0) from None
 
-    def _send_quietly(self, msg: wire._Tagged) -> None:
+    def _send_quietly(self, msg: wire.Message) -> None:
         if self.channel.closed:  # (the frontend is stopping)
             return
         try:

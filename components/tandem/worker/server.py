@@ -271,7 +271,7 @@ class WorkerServer:
                 self._drop_frontend(ident, why)
 
     # --- sending ----------------------------------------------------------------------------------
-    def _send(self, ident: bytes, msg: wire._Tagged) -> None:
+    def _send(self, ident: bytes, msg: wire.Message) -> None:
         assert self._sock is not None
         try:
             transport.send_nowait(self._sock, msg, ident)

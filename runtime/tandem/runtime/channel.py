@@ -64,7 +64,7 @@ class ZmqChannel(Generic[T, U]):
 
     @classmethod
     def to_worker(cls, address: str, identity: bytes,
-                  log: logging.Logger) -> ZmqChannel[wire._Tagged, wire.ToFrontend]:
+                  log: logging.Logger) -> ZmqChannel[wire.Message, wire.ToFrontend]:
         """A frontend's channel to one worker."""
         return ZmqChannel(address, identity, wire.TO_FRONTEND, log)
 

@@ -159,7 +159,7 @@ async def disconnects(sock: Socket) -> AsyncGenerator[None, None]:
         mon.close(linger=0)
 
 
-def send_nowait(sock: Socket, msg: wire._Tagged, identity: bytes | None = None) -> None:
+def send_nowait(sock: Socket, msg: wire.Message, identity: bytes | None = None) -> None:
     """Queue a message without waiting: ZMQ keeps order; past the high-water mark this raises
     zmq.Again rather than growing memory without bound, an unroutable identity raises
     EHOSTUNREACH, a closed socket ENOTSOCK. Nothing is queued unless all of it is (ZMQ takes a

@@ -51,7 +51,7 @@ class _Frozen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, fro
     pass
 
 
-class _Tagged(_Msg, tag_field="t"):
+class Message(_Msg, tag_field="t"):
     """A message that travels on its own (has a tag); plain _Msg structs only travel inside one."""
 
 
@@ -195,26 +195,26 @@ class KvLayout(_Frozen, frozen=True):
 # --- to a worker (from a frontend) -----------------------------------------------------------------
 
 
-class Hello(_Tagged, tag=1):
+class Hello(Message, tag=1):
     version: int
     frontend_id: str
 
 
-class Generates(_Tagged, tag=9):
+class Generates(Message, tag=9):
     """The requests a frontend placed on one worker during one event loop pass, in one message."""
 
     items: list[Generate]
 
 
-class Abort(_Tagged, tag=4):
+class Abort(Message, tag=4):
     rids: list[str]
 
 
-class LoadQuery(_Tagged, tag=6):
+class LoadQuery(Message, tag=6):
     seq: int
 
 
-class Credit(_Tagged, tag=8):
+class Credit(Message, tag=8):
     """The frontend handed the deltas of `n` more `Deltas` messages to their streams: the worker
     may send `n` more (tandem.worker.outbox)."""
 
@@ -224,21 +224,21 @@ class Credit(_Tagged, tag=8):
 # --- to a frontend (from a worker) -----------------------------------------------------------------
 
 
-class HelloReply(_Tagged, tag=2):
+class HelloReply(Message, tag=2):
     version: int
     ok: bool
     info: WorkerInfo | None = None
     error: str = ""
 
 
-class Deltas(_Tagged, tag=5):
+class Deltas(Message, tag=5):
     """Every delta one engine step produced for one frontend: one message per step, not per token."""
 
     items: list[Delta]
     load: Load | None = None
 
 
-class LoadReport(_Tagged, tag=7):
+class LoadReport(Message, tag=7):
     seq: int
     load: Load
 
@@ -246,7 +246,7 @@ class LoadReport(_Tagged, tag=7):
 # --- to a prefill worker's bootstrap socket (from a decode worker) --------------------------------
 
 
-class KvHello(_Tagged, tag=16):
+class KvHello(Message, tag=16):
     """Once per peer: who I am and where my pages are."""
 
     version: int
@@ -255,14 +255,14 @@ class KvHello(_Tagged, tag=16):
     layout: KvLayout
 
 
-class KvRoom(_Tagged, tag=18):
+class KvRoom(Message, tag=18):
     """Write the KV of `room`'s prompt into these pages of mine."""
 
     room: int
     pages: list[int]
 
 
-class KvCancel(_Tagged, tag=19):
+class KvCancel(Message, tag=19):
     """The room's request was aborted on the decode side."""
 
     room: int
@@ -271,13 +271,13 @@ class KvCancel(_Tagged, tag=19):
 # --- to a decode worker's bootstrap connection (from a prefill worker) ----------------------------
 
 
-class KvHelloReply(_Tagged, tag=17):
+class KvHelloReply(Message, tag=17):
     ok: bool
     prefill_name: str = ""
     error: str = ""
 
 
-class KvDone(_Tagged, tag=20):
+class KvDone(Message, tag=20):
     """The room's KV is in place (ok) with the first sampled token (and its logprobs, when the
     request asked for them), or not."""
 
@@ -290,13 +290,13 @@ class KvDone(_Tagged, tag=20):
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]
 ToFrontend = Union[HelloReply, Deltas, LoadReport]
-class KvRooms(_Tagged, tag=21):
+class KvRooms(Message, tag=21):
     """The rooms a decode worker asked one prefill worker for in one event loop pass, in order."""
 
     items: list[KvRoom]
 
 
-class KvDones(_Tagged, tag=22):
+class KvDones(Message, tag=22):
     """The rooms a prefill worker finished for one decode worker in one event loop pass."""
 
     items: list[KvDone]
@@ -314,7 +314,7 @@ M = TypeVar("M")
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: _Tagged) -> bytes:
+def encode(msg: Message) -> bytes:
     """One message's frame."""
     return _encoder.encode(msg)
 
