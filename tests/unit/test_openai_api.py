@@ -11,18 +11,20 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.frontend import openai_api as api
+from tandem.frontend import schemas
+from tandem.frontend import validate
 from tandem.frontend import sse
 from tandem.runtime import errors
 
 
-def chat(**fields: object) -> api.ChatCompletionRequest:
+def chat(**fields: object) -> schemas.ChatCompletionRequest:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return api.decode_request(json.dumps(body).encode(), api.ChatCompletionRequest)
+    return validate.decode_request(json.dumps(body).encode(), schemas.ChatCompletionRequest)
 
 
-def completion(**fields: object) -> api.CompletionRequest:
+def completion(**fields: object) -> schemas.CompletionRequest:
     body = {"model": "tiny", "prompt": "hi", **fields}
-    return api.decode_request(json.dumps(body).encode(), api.CompletionRequest)
+    return validate.decode_request(json.dumps(body).encode(), schemas.CompletionRequest)
 
 
 def bad(fn, *args: object) -> errors.TandemError:  # type: ignore[no-untyped-def]
@@ -39,12 +41,12 @@ def bad(fn, *args: object) -> errors.TandemError:  # type: ignore[no-untyped-def
     (b'{"messages": [], "stream": "yes"}', "stream"),
 ])
 def test_wrong_types_are_400_with_the_field_path(body: bytes, param: str) -> None:
-    err = bad(api.decode_request, body, api.ChatCompletionRequest)
+    err = bad(validate.decode_request, body, schemas.ChatCompletionRequest)
     assert err.status == 400 and err.param == param
 
 
 def test_malformed_json_is_400() -> None:
-    err = bad(api.decode_request, b'{"messages": [', api.ChatCompletionRequest)
+    err = bad(validate.decode_request, b'{"messages": [', schemas.ChatCompletionRequest)
     assert err.status == 400 and "Malformed JSON" in err.message
     assert err.body()["error"]["type"] == "invalid_request_error"
 
@@ -54,11 +56,11 @@ def test_unknown_fields_are_ignored() -> None:
 
 
 def test_unknown_model_is_404_in_openai_words() -> None:
-    err = bad(api.check_model, chat(model="gpt-9"), "tiny")
+    err = bad(validate.check_model, chat(model="gpt-9"), "tiny")
     assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
     assert err.message == "The model `gpt-9` does not exist or you do not have access to it."
-    api.check_model(chat(model="tiny"), "tiny")
-    api.check_model(chat(model=None), "tiny")
+    validate.check_model(chat(model="tiny"), "tiny")
+    validate.check_model(chat(model=None), "tiny")
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -93,7 +95,7 @@ def test_unknown_model_is_404_in_openai_words() -> None:
     ({"stop": "x" * 1025}, "stop"),
 ])
 def test_invalid_chat_requests_are_400(fields: dict[str, object], param: str) -> None:
-    err = bad(api.validate_chat, chat(**fields), 1000)
+    err = bad(validate.validate_chat, chat(**fields), 1000)
     assert err.status == 400 and err.param == param
     assert err.body()["error"]["param"] == param
 
@@ -105,7 +107,7 @@ def test_chat_messages_become_template_dicts() -> None:
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ])
-    msgs = api.validate_chat(req)
+    msgs = validate.validate_chat(req)
     assert msgs[1] == {"role": "user", "content": "a\nb"}
     assert msgs[2]["tool_calls"][0]["id"] == "1" and msgs[3]["tool_call_id"] == "1"
 
@@ -115,7 +117,7 @@ def test_chat_messages_become_template_dicts() -> None:
     (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
 ])
 def test_prompts_in_any_form(prompt: object, want: object) -> None:
-    assert api.validate_completion(completion(prompt=prompt)) == want
+    assert validate.validate_completion(completion(prompt=prompt)) == want
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -134,33 +136,33 @@ def test_prompts_in_any_form(prompt: object, want: object) -> None:
     ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_requests_are_400(fields: dict[str, object], param: str) -> None:
-    err = bad(api.validate_completion, completion(**fields))
+    err = bad(validate.validate_completion, completion(**fields))
     assert err.status == 400 and err.param == param
 
 
 def test_context_length_follows_vllm() -> None:
     req = completion(max_tokens=10)
-    sp = api.sampling_params(req, 10, 90, 100, 16)
+    sp = validate.sampling_params(req, 10, 90, 100, 16)
     assert sp.max_tokens == 10
-    err = bad(api.sampling_params, req, 11, 90, 100, 16)
+    err = bad(validate.sampling_params, req, 11, 90, 100, 16)
     assert err.status == 400 and err.param == "max_tokens" and "maximum context length is 100" \
         in err.message
-    err = bad(api.sampling_params, req, None, 100, 100, 16)
+    err = bad(validate.sampling_params, req, None, 100, 100, 16)
     assert err.param == "prompt" and "100 input tokens" in err.message
     # no max_tokens: the completions default, or for chat the rest of the context
-    assert api.sampling_params(completion(), None, 90, 100, 16).max_tokens == 10
-    assert api.sampling_params(completion(), None, 10, 100, 16).max_tokens == 16
-    assert api.sampling_params(chat(), None, 10, 100, None).max_tokens == 90
+    assert validate.sampling_params(completion(), None, 90, 100, 16).max_tokens == 10
+    assert validate.sampling_params(completion(), None, 10, 100, 16).max_tokens == 16
+    assert validate.sampling_params(chat(), None, 10, 100, None).max_tokens == 90
 
 
 def test_sampling_params_map_the_request() -> None:
     req = chat(temperature=0, top_p=0.5, top_k=-1, seed=7, stop_token_ids=[3], ignore_eos=True,
                min_tokens=2, max_completion_tokens=8, max_tokens=100)
-    api.validate_chat(req)
-    sp = api.sampling_params(req, api.chat_max_tokens(req), 5, 100, None)
+    validate.validate_chat(req)
+    sp = validate.sampling_params(req, validate.chat_max_tokens(req), 5, 100, None)
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (8, 0, 0.5, 0, 7)
     assert (sp.stop_token_ids, sp.ignore_eos, sp.min_tokens) == ((3,), True, 2)
-    assert api.stops_of(chat(stop="x")) == ("x",)
+    assert validate.stops_of(chat(stop="x")) == ("x",)
 
 
 def _sse_json(event: bytes) -> dict:  # type: ignore[type-arg]
@@ -173,9 +175,9 @@ def test_fast_chunks_equal_the_struct_encoding(finish: str | None) -> None:
     text = 'he said "¡hola!" \n\t🙂 \u2028'
     enc = sse.ChunkEncoder("chat", "chatcmpl-x\"y", 1700000000, "mo\"del")
     got = _sse_json(enc.text(text, finish))
-    want = msgspec.json.decode(msgspec.json.encode(api.ChatCompletionChunk(
+    want = msgspec.json.decode(msgspec.json.encode(schemas.ChatCompletionChunk(
         "chatcmpl-x\"y", "chat.completion.chunk", 1700000000, "mo\"del",
-        [api.ChatChunkChoice(0, api.ChatDelta(content=text), None, finish)])))
+        [schemas.ChatChunkChoice(0, schemas.ChatDelta(content=text), None, finish)])))
     assert got == want
     chunk = ChatCompletionChunk.model_validate(got)
     assert chunk.choices[0].delta.content == text and chunk.choices[0].finish_reason == finish
@@ -183,8 +185,8 @@ def test_fast_chunks_equal_the_struct_encoding(finish: str | None) -> None:
     enc = sse.ChunkEncoder("completion", "cmpl-1", 5, "m")
     got = _sse_json(enc.text(text, finish))
     assert got == msgspec.json.decode(msgspec.json.encode(
-        api.Completion("cmpl-1", "text_completion", 5, "m",
-                       [api.CompletionChoice(0, text, None, finish)])))
+        schemas.Completion("cmpl-1", "text_completion", 5, "m",
+                       [schemas.CompletionChoice(0, text, None, finish)])))
     if finish is not None:  # the SDK types a completion's finish_reason as required; its
         # stream parser is lenient, as OpenAI's own stream chunks carry null there too
         assert Completion.model_validate(got).choices[0].text == text

@@ -28,8 +28,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from tandem.config import FrontendConfig
-from tandem.frontend import openai_api as api
-from tandem.frontend import validate
+from tandem.frontend import schemas, validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
                                   Scope, Send, read_body, watch_disconnect)
@@ -206,31 +205,31 @@ class FrontendApp:
             raise errors.Unavailable("The server is shutting down.", retry_after=1)
         pre = self.preprocessor
         vocab = pre.vocab_size
-        req: api.ChatCompletionRequest | api.CompletionRequest
+        req: schemas.ChatCompletionRequest | schemas.CompletionRequest
         texts: list[str | list[int]] = []
         if kind == "chat":
-            req = api.decode_request(body, api.ChatCompletionRequest)
-            api.check_model(req, self.model_name)
-            messages = api.validate_chat(req, vocab)
-            max_tokens = api.chat_max_tokens(req)
+            req = validate.decode_request(body, schemas.ChatCompletionRequest)
+            validate.check_model(req, self.model_name)
+            messages = validate.validate_chat(req, vocab)
+            max_tokens = validate.chat_max_tokens(req)
             default_max: int | None = None  # vLLM: the rest of the context
             max_context = self._max_context()
             chars = sum(len(m["content"] or "") for m in messages)
             prompts = [await _maybe_thread(chars, pre.encode_chat, messages, req.tools,
                                            req.chat_template_kwargs)]
         else:
-            req = api.decode_request(body, api.CompletionRequest)
-            api.check_model(req, self.model_name)
-            texts = api.validate_completion(req, vocab)
+            req = validate.decode_request(body, schemas.CompletionRequest)
+            validate.check_model(req, self.model_name)
+            texts = validate.validate_completion(req, vocab)
             max_tokens = req.max_tokens
             default_max = self.config.default_max_tokens
             max_context = self._max_context()
             chars = sum(len(p) for p in texts if isinstance(p, str))
             prompts = await _maybe_thread(chars, lambda: [pre.encode_prompt(p) for p in texts])
-        opts = api.options(req)
+        opts = validate.options(req)
         choices: list[ChoiceSpec] = []
         for p, prompt_ids in enumerate(prompts):
-            sampling = api.sampling_params(req, max_tokens, len(prompt_ids), max_context,
+            sampling = validate.sampling_params(req, max_tokens, len(prompt_ids), max_context,
                                            default_max)
             echo = ""
             if opts.echo:
@@ -238,7 +237,7 @@ class FrontendApp:
                 echo = t if isinstance(t, str) else pre.decode(t, opts.skip_special_tokens)
             for i in range(opts.n):
                 sp = sampling if i == 0 or sampling.seed is None else \
-                    msgspec.structs.replace(sampling, seed=api.seed_of(req.seed, i))
+                    msgspec.structs.replace(sampling, seed=validate.seed_of(req.seed, i))
                 detok = pre.detokenizers.new(opts.stops, prompt_ids, opts.skip_special_tokens,
                                              opts.include_stop)
                 choices.append(ChoiceSpec(p, prompt_ids, sp, detok, echo))
@@ -272,12 +271,12 @@ class FrontendApp:
 
     # --- the small endpoints ----------------------------------------------------------------------
 
-    def _card(self) -> api.ModelCard:
-        return api.ModelCard(self.model_name, "model", self.created, "tandem",
+    def _card(self) -> schemas.ModelCard:
+        return schemas.ModelCard(self.model_name, "model", self.created, "tandem",
                              self.config.model or self.model_name, self.pool.max_context)
 
     async def _models(self, ex: ResponseWriter) -> None:
-        await ex.reply(200, _encode(api.ModelList("list", [self._card()])), JSON)
+        await ex.reply(200, _encode(schemas.ModelList("list", [self._card()])), JSON)
 
     async def _model(self, model_id: str, ex: ResponseWriter) -> None:
         if model_id != self.model_name:
@@ -300,8 +299,8 @@ class FrontendApp:
     async def _tokenize(self, body: bytes) -> bytes:
         """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)
         or chat `messages` through the template (`add_generation_prompt`, default true)."""
-        req = api.decode_request(body, api.TokenizeRequest)
-        api.check_model(req, self.model_name)
+        req = validate.decode_request(body, schemas.TokenizeRequest)
+        validate.check_model(req, self.model_name)
         pre = self.preprocessor
         if (req.prompt is None) == (req.messages is None):
             raise errors.BadRequest("Send either `prompt` or `messages`.", param="prompt")
@@ -318,13 +317,13 @@ class FrontendApp:
                                        req.add_generation_prompt is not False)
             ids = await _maybe_thread(len(text), lambda: pre.tokenizer.encode(
                 text, add_special_tokens=bool(req.add_special_tokens)).ids)
-        return _encode(api.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
+        return _encode(schemas.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
 
     async def _detokenize(self, body: bytes) -> bytes:
-        req = api.decode_request(body, api.DetokenizeRequest)
-        api.check_model(req, self.model_name)
+        req = validate.decode_request(body, schemas.DetokenizeRequest)
+        validate.check_model(req, self.model_name)
         text = await _maybe_thread(len(req.tokens), self.preprocessor.decode, req.tokens)
-        return _encode(api.DetokenizeResponse(text))
+        return _encode(schemas.DetokenizeResponse(text))
 
     async def _health(self, ex: ResponseWriter) -> None:
         if self.pool.ready() and not self.draining:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.frontend import openai_api as api
+from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.detokenizer import Detokenizer
 from tandem.frontend.http import error_of
@@ -188,7 +189,7 @@ class RichChoiceState(ChoiceState):
         if self.want_logprobs and self.lps:
             del self.lps[max(0, len(self.lps) - n):]
 
-    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None:
+    def take_logprobs(self) -> schemas.ChatLogprobs | schemas.CompletionLogprobs | None:
         if not self.want_logprobs or self.token is None:
             return None
         lps, self.lps = self.lps, []
@@ -199,7 +200,7 @@ class RichChoiceState(ChoiceState):
             self.offset = out.text_offset[-1] + len(out.tokens[-1])
         return out
 
-    def usage_now(self) -> api.UsageInfo | None:
+    def usage_now(self) -> schemas.UsageInfo | None:
         return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None
 
 

@@ -1,7 +1,7 @@
-"""The OpenAI HTTP API as tandem speaks it, in one namespace: the request and response bodies
-(tandem.frontend.schemas), their decoding and validation (tandem.frontend.validate: every refusal
-is `errors.BadRequest` naming the offending `param`), and here the response builders and the
-rendering of token logprobs into OpenAI's chat and completions logprobs objects.
+"""The OpenAI response builders, and the rendering of token logprobs into OpenAI's chat and
+completions logprobs objects. The request and response bodies are tandem.frontend.schemas; their
+decoding and validation, tandem.frontend.validate (every refusal is `errors.BadRequest` naming the
+offending `param`).
 
 Logprobs come from the engine (`wire.TokenLogprobs` on each delta); a token's text is what the
 tokenizer makes of that one token (`TokenTexts`), its `bytes` the token's own bytes, so a
@@ -13,32 +13,14 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 
-from tandem.frontend.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion,
-                                     ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
-                                     ChatLogprobs, ChatMessage, Completion, CompletionChoice,
-                                     CompletionLogprobs, CompletionRequest, ContentPart,
-                                     DetokenizeRequest, DetokenizeResponse, GenerateRequest,
-                                     ModelCard, ModelList, ResponseMessage, StreamOptions,
-                                     TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob,
-                                     UsageInfo)
-from tandem.frontend.validate import (MAX_CHOICES, MAX_N, MAX_PROMPTS, ROLES, Options,
-                                      chat_max_tokens, check_model, decode_request, options,
-                                      sampling_params, seed_of, stops_of, validate_chat,
-                                      validate_completion)
+from tandem.frontend.schemas import (ChatChoice, ChatCompletion, ChatLogprobs, Completion,
+                                     CompletionChoice, CompletionLogprobs, ResponseMessage,
+                                     TokenLogprob, TopLogprob, UsageInfo)
 from tandem.runtime.wire import TokenLogprobs
 
-__all__ = [
-    "ChatChoice", "ChatChunkChoice", "ChatCompletion", "ChatCompletionChunk",
-    "ChatCompletionRequest", "ChatDelta", "ChatLogprobs", "ChatMessage", "Completion",
-    "CompletionChoice", "CompletionLogprobs", "CompletionRequest", "ContentPart",
-    "DetokenizeRequest", "DetokenizeResponse", "GenerateRequest", "ModelCard", "ModelList",
-    "ResponseMessage", "StreamOptions", "TokenizeRequest", "TokenizeResponse", "TokenLogprob",
-    "TopLogprob", "UsageInfo", "MAX_CHOICES", "MAX_N", "MAX_PROMPTS", "ROLES", "Options",
-    "chat_max_tokens", "check_model", "decode_request", "options", "sampling_params", "seed_of",
-    "stops_of", "validate_chat", "validate_completion", "new_id", "usage_info",
-    "chat_completion", "text_completion", "chat_completion_choices", "text_completion_choices",
-    "TokenTexts", "chat_logprobs", "completion_logprobs",
-]
+__all__ = ["TokenTexts", "chat_completion", "chat_completion_choices", "chat_logprobs",
+           "completion_logprobs", "new_id", "text_completion", "text_completion_choices",
+           "usage_info"]
 
 TokenTexts = Callable[[int], tuple[str, bytes]]
 """token id -> (its text, its bytes): tandem.frontend.detokenizer.DetokenizerFactory.token."""

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tandem.frontend import openai_api as api
+from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.choice import (ChoiceSpec, ChoiceState, GenerationJob, RichChoiceState,
                                     state_of)
@@ -309,13 +310,13 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
         return
     outs = [(st.text, st.finish) for st in states]
     lps = [st.take_logprobs() if isinstance(st, RichChoiceState) else None for st in states]
-    body: api.ChatCompletion | api.Completion
+    body: schemas.ChatCompletion | schemas.Completion
     if job.kind == "chat":
         body = api.chat_completion_choices(
             rid, created, job.model, outs, usage,
-            [x if isinstance(x, api.ChatLogprobs) else None for x in lps])
+            [x if isinstance(x, schemas.ChatLogprobs) else None for x in lps])
     else:
         body = api.text_completion_choices(
             rid, created, job.model, outs, usage,
-            [x if isinstance(x, api.CompletionLogprobs) else None for x in lps])
+            [x if isinstance(x, schemas.CompletionLogprobs) else None for x in lps])
     await w.reply(200, _encode(body), JSON)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from tandem.frontend import openai_api as api
+from tandem.frontend import schemas
 
 DONE = b"data: [DONE]\n\n"
 HEADERS: list[tuple[bytes, bytes]] = [
@@ -69,34 +69,34 @@ class ChunkEncoder:
 
     def role(self) -> bytes:
         """The chat stream's first chunk: the assistant role and empty content."""
-        return event(api.ChatCompletionChunk(
+        return event(schemas.ChatCompletionChunk(
             self.rid, "chat.completion.chunk", self.created, self.model,
-            [api.ChatChunkChoice(self.index, api.ChatDelta(role="assistant", content=""), None,
+            [schemas.ChatChunkChoice(self.index, schemas.ChatDelta(role="assistant", content=""), None,
                                  None)]))
 
     def finish(self, finish: str) -> bytes:
         """A last chunk with no new text: chat sends an empty delta, as OpenAI does."""
         if self.kind == "completion":
             return self.text("", finish)
-        return event(api.ChatCompletionChunk(
+        return event(schemas.ChatCompletionChunk(
             self.rid, "chat.completion.chunk", self.created, self.model,
-            [api.ChatChunkChoice(self.index, api.ChatDelta(), None, finish)]))
+            [schemas.ChatChunkChoice(self.index, schemas.ChatDelta(), None, finish)]))
 
-    def usage(self, usage: api.UsageInfo) -> bytes:
+    def usage(self, usage: schemas.UsageInfo) -> bytes:
         """The `stream_options.include_usage` chunk: empty choices, the request's usage."""
         if self.kind == "chat":
-            return event(api.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created,
+            return event(schemas.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created,
                                                  self.model, [], usage))
-        return event(api.Completion(self.rid, "text_completion", self.created, self.model, [],
+        return event(schemas.Completion(self.rid, "text_completion", self.created, self.model, [],
                                     usage))
 
 
 class ChunkExtras(Protocol):
     """What a RichChunkEncoder asks its choice for, per chunk."""
 
-    def take_logprobs(self) -> api.ChatLogprobs | api.CompletionLogprobs | None: ...
+    def take_logprobs(self) -> schemas.ChatLogprobs | schemas.CompletionLogprobs | None: ...
 
-    def usage_now(self) -> api.UsageInfo | None: ...
+    def usage_now(self) -> schemas.UsageInfo | None: ...
 
 
 class RichChunkEncoder(ChunkEncoder):
@@ -113,15 +113,15 @@ class RichChunkEncoder(ChunkEncoder):
         x = self.extras
         lp = x.take_logprobs()
         if self.kind == "chat":
-            assert lp is None or isinstance(lp, api.ChatLogprobs)
-            delta = api.ChatDelta() if text is None else api.ChatDelta(content=text)
-            return event(api.ChatCompletionChunk(
+            assert lp is None or isinstance(lp, schemas.ChatLogprobs)
+            delta = schemas.ChatDelta() if text is None else schemas.ChatDelta(content=text)
+            return event(schemas.ChatCompletionChunk(
                 self.rid, "chat.completion.chunk", self.created, self.model,
-                [api.ChatChunkChoice(self.index, delta, lp, finish)], x.usage_now()))
-        assert lp is None or isinstance(lp, api.CompletionLogprobs)
-        return event(api.Completion(
+                [schemas.ChatChunkChoice(self.index, delta, lp, finish)], x.usage_now()))
+        assert lp is None or isinstance(lp, schemas.CompletionLogprobs)
+        return event(schemas.Completion(
             self.rid, "text_completion", self.created, self.model,
-            [api.CompletionChoice(self.index, text or "", lp, finish)], x.usage_now()))
+            [schemas.CompletionChoice(self.index, text or "", lp, finish)], x.usage_now()))
 
     def text(self, text: str, finish: str | None = None) -> bytes:
         return self._chunk(text, finish)
