@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tandem.kv.nixl_transfer import KvAgent, MemType, prefault_host_memory
+from tandem.kv.transfer.nixl import KvAgent, MemType, prefault_host_memory
 
 DEFAULT_THREADS = torch.get_num_threads()
 SETTLE_S = 0.02

@@ -20,8 +20,8 @@ from typing import Any
 
 from tandem import launcher
 from tandem.engines.base import Engine
-from tandem.engines.pd import HandoffConfig
-from tandem.kv.movers import KvMover, LocalFabric, LocalMover, SimulatedMover
+from tandem.engines.handoff import HandoffConfig
+from tandem.kv.transfer.movers import KvMover, LocalFabric, LocalMover, SimulatedMover
 from tandem.runtime.errors import EngineError
 from tandem.runtime.wire import Bootstrap
 

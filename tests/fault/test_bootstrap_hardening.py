@@ -1,4 +1,4 @@
-"""A prefill worker's KV bootstrap socket (tandem.kv.prefill_side) against hostile or broken decode
+"""A prefill worker's KV bootstrap socket (tandem.kv.bootstrap.prefill) against hostile or broken decode
 peers, through raw ZMQ DEALERs: replies to peers that left never end its loop; a KvHello with a
 huge layout or garbage metadata is refused before the mover sees it; a KvRoom naming pages the
 peer does not have is refused; rooms belong to the peer that bound them; and a loop that dies
@@ -15,8 +15,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.kv.movers import SimulatedMover
-from tandem.kv.handoff import PrefillSide
+from tandem.kv.transfer.movers import SimulatedMover
+from tandem.kv.bootstrap.decode import PrefillSide
 from tandem.runtime import lifecycle, transport, wire
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import KvCancel, KvDone, KvHello, KvHelloReply, KvLayout, KvRoom
@@ -233,7 +233,7 @@ async def test_a_pass_of_rooms_is_checked_room_by_room_and_its_dones_come_in_one
     assert isinstance(dones, wire.KvDones)
     assert [(x.room, x.ok, x.first_token) for x in dones.items] == [(61, True, 11), (63, True, 12)]
     before = transport.protocol_errors[("bootstrap", "too many rooms in one message")]
-    from tandem.kv.prefill_side import MAX_ROOMS
+    from tandem.kv.bootstrap.prefill import MAX_ROOMS
     await d.send(wire.KvRooms([KvRoom(100 + i, [1]) for i in range(MAX_ROOMS + 1)]))
     for _ in range(100):
         await asyncio.sleep(0.02)

@@ -23,7 +23,7 @@ pytest.importorskip("nixl")
 
 import torch  # noqa: E402
 
-from tandem.kv.nixl_transfer import KvAgent  # noqa: E402
+from tandem.kv.transfer.nixl import KvAgent  # noqa: E402
 from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone  # noqa: E402
 from tandem.runtime.wire import KvLayout  # noqa: E402
 

@@ -29,12 +29,12 @@ pytest.importorskip("nixl")
 
 from tandem import launcher  # noqa: E402
 from tandem.engines.base import Engine  # noqa: E402
-from tandem.engines.pd import HandoffConfig  # noqa: E402
+from tandem.engines.handoff import HandoffConfig  # noqa: E402
 from tandem.engines.reference import ReferenceEngine, write_tiny_model  # noqa: E402
 from tandem.engines.reference.engine import Compute, ComputeHook  # noqa: E402
 from tandem.engines.scheduler import Batch  # noqa: E402
-from tandem.kv.handoff import QUARANTINE_GRACE_S  # noqa: E402
-from tandem.kv.movers import KvMover, NixlMover  # noqa: E402
+from tandem.kv.bootstrap.decode import QUARANTINE_GRACE_S  # noqa: E402
+from tandem.kv.transfer.movers import KvMover, NixlMover  # noqa: E402
 from tandem.runtime.errors import KvHandoffError  # noqa: E402
 from tandem.runtime.wire import Bootstrap, ErrorKind, SamplingParams  # noqa: E402
 from tests.conformance.harness import Recorder, Run, finished, wait_idle  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.mock import NATURAL_LOGIT, MockEngine, mock_token
-from tandem.kv.handoff import QUARANTINE_GRACE_S
+from tandem.kv.bootstrap.decode import QUARANTINE_GRACE_S
 from tandem.runtime.wire import SamplingParams, TokenLogprobs
 from tandem.worker.deltas import DeltaMaker
 from tests.conformance.engines import PdLink

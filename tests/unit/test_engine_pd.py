@@ -1,4 +1,4 @@
-"""The engine-side PD handoff state machine (tandem.engines.pd) without sockets: the mock engine
+"""The engine-side PD handoff state machine (tandem.engines.handoff) without sockets: the mock engine
 with in-memory fake channels, each scripted on purpose (a room that comes late or never, a fetch
 that is cancelled, a write that is slow), as httpcore tests its protocols with mock streams. The
 page rules checked: pages a transfer may still write into come back only when the channel
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tandem.engines.mock import MockEngine, MockTiming, mock_token
-from tandem.engines.pd import DecodeHandoff, Host, PrefillHandoff
-from tandem.kv.handoff import Destination
+from tandem.engines.handoff import DecodeHandoff, Host, PrefillHandoff
+from tandem.kv.bootstrap.decode import Destination
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import Bootstrap, SamplingParams
 from tests.conformance.harness import Recorder, Run, finished, wait_idle

@@ -1,4 +1,4 @@
-"""The decode side of the KV bootstrap (tandem.kv.handoff.DecodeSide) sends what one loop pass
+"""The decode side of the KV bootstrap (tandem.kv.bootstrap.decode.DecodeSide) sends what one loop pass
 asks of one prefill worker as one message, in order, and takes a KvDones for many rooms: seen
 from a raw ROUTER playing the prefill worker."""
 
@@ -10,8 +10,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.kv.handoff import DecodeSide
-from tandem.kv.movers import SimulatedMover
+from tandem.kv.bootstrap.decode import DecodeSide
+from tandem.kv.transfer.movers import SimulatedMover
 from tandem.runtime import wire
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import Bootstrap, KvCancel, KvDone, KvHello, KvHelloReply, KvRoom
@@ -94,7 +94,7 @@ async def test_a_cancel_in_the_same_pass_follows_its_room(sides) -> None:
 
 
 async def test_a_long_run_of_rooms_is_cut_at_the_batch_cap(sides, monkeypatch) -> None:
-    from tandem.kv import prefill_side
+    from tandem.kv.bootstrap import prefill as prefill_side
     monkeypatch.setattr(prefill_side, "MAX_BATCH", 2)
     prefill, decode = sides
 

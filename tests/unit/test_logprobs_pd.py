@@ -1,4 +1,4 @@
-"""Logprobs exact under PD, through the engine-side handoff (tandem.engines.pd) with a channel that
+"""Logprobs exact under PD, through the engine-side handoff (tandem.engines.handoff) with a channel that
 carries the first token's logprobs (`carries_logprobs`), as KvDone.first_logprobs does on the wire:
 an in-memory channel pair that copies the prompt's KV pages from the prefill engine's cache into the
 decode engine's. The reference engine's PD logprobs equal its aggregated run's, token for token and
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tandem.engines.base import Engine
-from tandem.engines.pd import DecodeHandoff, First, Host, PrefillHandoff
-from tandem.kv.handoff import Destination
+from tandem.engines.handoff import DecodeHandoff, First, Host, PrefillHandoff
+from tandem.kv.bootstrap.decode import Destination
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import Bootstrap, SamplingParams, TokenLogprobs
 from tests.conformance.harness import Recorder, Run, finished, wait_idle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tandem.kv.pages import PagePool, PagePoolError, check_accounting
+from tandem.engines.pages import PagePool, PagePoolError, check_accounting
 from tandem.runtime import wire
 from tandem.runtime.wire import Delta, Deltas, Generate, Generates, SamplingParams, Usage
 

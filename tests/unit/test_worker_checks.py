@@ -1,6 +1,6 @@
 """Pure checks of the worker and KV side: what a Generate may carry (tandem.worker.validate), what
-a KvHello/KvRoom may announce (tandem.kv.checks), and which interface UCX is kept on for an
-advertised address (tandem.kv.net)."""
+a KvHello/KvRoom may announce (tandem.kv.bootstrap.checks), and which interface UCX is kept on for an
+advertised address (tandem.kv.transfer.net)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import namedtuple
 
 import pytest
 
-from tandem.kv.checks import MAX_PEER_PAGES, check_hello, check_room
-from tandem.kv.net import bind_ucx_to, net_device_for
+from tandem.kv.bootstrap.checks import MAX_PEER_PAGES, check_hello, check_room
+from tandem.kv.transfer.net import bind_ucx_to, net_device_for
 from tandem.runtime import wire
 from tandem.runtime.wire import Bootstrap, Generate, KvHello, KvLayout, KvRoom, SamplingParams
 from tandem.worker.validate import Limits, check_generate

@@ -30,7 +30,7 @@ request early; there is no `abort(rid)`.
 
 A request may carry `bootstrap = (host, port, room)` (disaggregated prefill/decode). The engine
 does the KV handoff itself, so the worker never touches KV: tandem's own engines through the one
-handoff state machine in `tandem.engines.pd`, SGLang through its own bootstrap server. A prefill
+handoff state machine in `tandem.engines.handoff`, SGLang through its own bootstrap server. A prefill
 engine's request ends (finish_reason "length", one output) once its KV has been written; a decode
 engine's outputs start with the first token the prefill side sampled. A prefill engine announces
 where decode engines reach it in `bootstrap_addr` (set by `start()`).
@@ -38,7 +38,7 @@ where decode engines reach it in `bootstrap_addr` (set by `start()`).
 An engine whose library only yields outputs per request (SGLang's `async_generate`) sits behind
 `tandem.engines.iterator.IteratorEngine`, which turns per-request iterators into `on_step` calls
 with a task per request. Outputs of tandem's own engines need none; only their PD handoff runs a
-task per request beside the steps, for its KV transfer (tandem.engines.pd).
+task per request beside the steps, for its KV transfer (tandem.engines.handoff).
 """
 
 from __future__ import annotations

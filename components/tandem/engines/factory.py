@@ -7,8 +7,8 @@ from typing import Any
 
 from tandem.config import ENGINES, WorkerConfig
 from tandem.engines.base import Engine
-from tandem.engines.pd import HandoffConfig
-from tandem.kv.movers import KvMover
+from tandem.engines.handoff import HandoffConfig
+from tandem.kv.transfer.movers import KvMover
 
 
 
@@ -20,10 +20,10 @@ def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
 
     def make_mover(kv: Any, page_bytes: int, num_pages: int) -> KvMover:
         if kv is None:  # no KV memory (mock engine): transfers only cost time
-            from tandem.kv.movers import SimulatedMover
+            from tandem.kv.transfer.movers import SimulatedMover
 
             return SimulatedMover(name, page_bytes, num_pages, cfg.kv_bytes_per_s)
-        from tandem.kv.movers import NixlMover
+        from tandem.kv.transfer.movers import NixlMover
 
         return NixlMover(name, kv, page_bytes, num_pages)
 

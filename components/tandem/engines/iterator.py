@@ -4,7 +4,7 @@ A library that only yields outputs per request (SGLang's `async_generate`) is wr
 that implements `_stream(req)`: an async iterator of the request's `EngineOutput`s, whose last one
 has a finish_reason. This module owns everything else, and is the only place in tandem where a task
 per request delivers outputs (the PD handoff of tandem's own engines has a task per request for its
-KV transfer, tandem.engines.pd; outputs never wait on it):
+KV transfer, tandem.engines.handoff; outputs never wait on it):
 
 - `submit` runs the subclass's `_check(req)` (it raises `EngineRequestError` for a request the
   engine cannot take, holding nothing), then starts ONE task for the request. The engine owns the

@@ -4,7 +4,7 @@ Token ids are deterministic (a function of the prompt and the position), so two 
 test can predict them. Everything else is the shared step loop (tandem.engines.stepper): real page
 accounting (pages for min(prompt + max_tokens, context) tokens taken at admission, back on
 finish or cancel), a running batch capped at `max_batch`, admission that waits for pages, and the
-PD handoff of tandem.engines.pd (its transfers simulated by tandem.kv.movers.SimulatedMover).
+PD handoff of tandem.engines.handoff (its transfers simulated by tandem.kv.transfer.movers.SimulatedMover).
 
 Timing (`MockTiming`): a step sleeps for its prefill cost (per prompt token admitted that step)
 plus its decode cost (per step, and per sequence in the step), plus an optional fixed delay; with
@@ -37,11 +37,11 @@ import math
 from collections.abc import Collection
 
 from tandem.engines.base import EngineRequest, ModelSpec
-from tandem.engines.pd import HandoffSpec
+from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
 from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
-from tandem.kv.pages import page_bytes
+from tandem.engines.pages import page_bytes
 from tandem.runtime.wire import OutputMode, TokenLogprobs
 
 UNLIMITED_PREFILL_TOKENS = 1 << 62  # the mock admits every prompt that fits, as it always has

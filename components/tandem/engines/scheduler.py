@@ -17,7 +17,7 @@ A decode sequence ("decode") is admitted by *reserving* pages for `max_total` to
 FETCHING, outside the batch but counted against `max_batch`, while its prompt's K/V is written into
 them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)`: it skips
 prefill, and its first token (the prefill side's) is recorded as a step's token is, by the Stepper's
-postprocess. (The handoff itself: tandem.engines.pd.)
+postprocess. (The handoff itself: tandem.engines.handoff.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.kv.pages import PagePool
+from tandem.engines.pages import PagePool
 from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams, TokenLogprobs
 
 
@@ -64,7 +64,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
-    handoff: Any = None  # PD: its handoff state (tandem.engines.pd), while the handoff runs
+    handoff: Any = None  # PD: its handoff state (tandem.engines.handoff), while the handoff runs
 
     def __post_init__(self) -> None:
         if not self.owner:

@@ -2,7 +2,7 @@
 contract"): schedule -> compute -> postprocess, over the Scheduler and PagePool of
 tandem.engines.scheduler. Computing a step is the one engine-specific hook (the mock sleeps for
 its timing model in `run`; the reference engine runs torch in `compute`); everything else,
-admission, finishing, cancelling, page accounting, the PD handoff (tandem.engines.pd) and output
+admission, finishing, cancelling, page accounting, the PD handoff (tandem.engines.handoff) and output
 delivery, is written here once.
 
 Two drivers of the same step. On the loop (`run`, the mock): the step is a task that awaits `run`.
@@ -30,10 +30,10 @@ from typing import Any
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
 from tandem.engines.outputs import Step, deliver, ending
-from tandem.engines.pd import Handoff, HandoffSpec
+from tandem.engines.handoff import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
-from tandem.kv.pages import PagePool
+from tandem.engines.pages import PagePool
 from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
@@ -208,7 +208,7 @@ class Stepper(Engine):
                         pages_free=self.pool.num_free, pages_total=self.num_pages,
                         pages_reserved=self.pool.num_reserved)
 
-    # --- what the handoff calls (tandem.engines.pd.Host), on the loop --------------------------------
+    # --- what the handoff calls (tandem.engines.handoff.Host), on the loop --------------------------------
     def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:
         """Its pages are safe to reuse: give them back (after its step, if one computes now)."""
         with self._lock:

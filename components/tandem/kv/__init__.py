@@ -1,1 +1,2 @@
-"""KV cache bookkeeping (page pool) and, later, the NIXL handoff between prefill and decode."""
+"""KV between workers: the bootstrap protocol (bootstrap/) and the byte movers (transfer/). Page
+accounting is the engines' (tandem.engines.pages)."""

@@ -2,7 +2,7 @@
 drain on SIGTERM, free everything, exit. The worker knows no engine internals: the factory builds
 the engine complete, and the engine announces its bootstrap address once started (on the address
 other processes reach it at, `--advertise-host`; KV transfers are kept on that address's network
-interface, tandem.kv.net). The health port serves `/live`, `/health` (not ready from the first
+interface, tandem.kv.transfer.net). The health port serves `/live`, `/health` (not ready from the first
 moment of a drain) and `/metrics` (tandem.worker.metrics). A supervised task that dies ends the
 process with status 1 (tandem.runtime.lifecycle)."""
 
@@ -14,7 +14,7 @@ import os
 
 from tandem.config import WorkerConfig
 from tandem.engines.factory import make_engine
-from tandem.kv.net import bind_ucx_to
+from tandem.kv.transfer.net import bind_ucx_to
 from tandem.runtime import auth, lifecycle, transport
 from tandem.runtime.wire import WorkerInfo
 from tandem.worker.health import HealthServer

@@ -72,7 +72,7 @@ class StreamProtocolError(TandemError):
 # --- engine and KV errors ----------------------------------------------------------------------------
 # Each knows the wire's ErrorKind (`kind`) a failed request's last delta carries: the worker reads
 # `err.kind`, never an isinstance chain. KV errors are engine errors, so a KV failure crosses the
-# engine boundary as it is (no re-wrapping); the prefill side (tandem.kv.prefill_side) turns a
+# engine boundary as it is (no re-wrapping); the prefill side (tandem.kv.bootstrap.prefill) turns a
 # mover's own failure (any exception) into a KvHandoffError, once.
 
 

@@ -11,7 +11,7 @@ their logprobs into `batch.logprobs`: tandem.engines.reference.sampler says whic
 `compute_hook(batch, model_step)` instead of `model_step(batch)` (to hold a step, record it, or
 fail it).
 
-PD: with a handoff (tandem.engines.pd) its KV memory is this cache. Random draws are keyed by
+PD: with a handoff (tandem.engines.handoff) its KV memory is this cache. Random draws are keyed by
 (seed, position) (sampler.py), so a prefill engine's first token and a decode engine's later ones
 are exactly the tokens an aggregated run samples.
 """
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, ModelSpec
-from tandem.engines.pd import HandoffSpec
+from tandem.engines.handoff import HandoffSpec
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
 from tandem.engines.reference.model import Llama, page_table
 from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
 from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
-from tandem.kv.pages import page_bytes
+from tandem.engines.pages import page_bytes
 from tandem.runtime.errors import CheckpointError
 from tandem.runtime.wire import OutputMode
 

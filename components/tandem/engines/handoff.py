@@ -24,7 +24,7 @@ aggregated run's. A channel says it carries them with `carries_logprobs = True`;
 takes `first_logprobs` and its `fetch` returns `(first_token, first_logprobs)`. With a channel that
 does not, the engine refuses such requests at submit (tandem.engines.sampling.check_request).
 
-The channels are the socket layer (tandem.kv.handoff's PrefillSide and DecodeSide over ZMQ);
+The channels are the socket layer (tandem.kv.bootstrap.decode's PrefillSide and DecodeSide over ZMQ);
 anything with the same methods will do, so this machine is tested with in-memory fakes.
 """
 
@@ -38,8 +38,8 @@ from functools import partial
 from typing import Any, Literal, Protocol, cast
 
 from tandem.engines.scheduler import Sequence
-from tandem.kv.handoff import DecodeSide, Destination, PrefillSide
-from tandem.kv.movers import KvMover
+from tandem.kv.bootstrap.decode import DecodeSide, Destination, PrefillSide
+from tandem.kv.transfer.movers import KvMover
 from tandem.runtime.errors import EngineError, KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import Bootstrap, TokenLogprobs
@@ -231,7 +231,7 @@ class DecodeHandoff(_Handoff):
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    """How to build a worker's side of the handoff over tandem.kv.handoff's ZMQ bootstrap."""
+    """How to build a worker's side of the handoff over tandem.kv.bootstrap.decode's ZMQ bootstrap."""
 
     role: Role
     name: str  # this worker's name (its mover's agent name)

@@ -17,7 +17,7 @@ Contracts:
 - A target must make progress for the first write from each peer stream to complete (connection
   wireup): the agent's own thread does that every `progress_interval_s` (~2% of a core at 5 ms);
   an agent made without it calls `progress()` itself.
-- `import tandem.kv.nixl_transfer` works without nixl; a `KvAgent` then raises `KvTransferError`.
+- `import tandem.kv.transfer.nixl` works without nixl; a `KvAgent` then raises `KvTransferError`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tandem.kv.transfer_util import count_descriptors, prefault_host_memory
+from tandem.kv.transfer.util import count_descriptors, prefault_host_memory
 from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone
 from tandem.runtime.wire import KvLayout
 

@@ -1,8 +1,8 @@
 """Movers: what carries a request's KV pages from the prefill engine's memory into the decode
-engine's. The bootstrap protocol (tandem.kv.handoff) decides which pages go where; a mover only
+engine's. The bootstrap protocol (tandem.kv.bootstrap.decode) decides which pages go where; a mover only
 moves them, within a deadline.
 
-- `NixlMover` WRITEs real pages with NIXL (tandem.kv.nixl_transfer; DRAM on CPU, VRAM on CUDA);
+- `NixlMover` WRITEs real pages with NIXL (tandem.kv.transfer.nixl; DRAM on CPU, VRAM on CUDA);
 - `LocalMover` copies pages between two KV tensors of one process (tests, no NIXL needed);
 - `SimulatedMover` moves nothing and only costs time (the mock engine's transfer model).
 """
@@ -115,7 +115,7 @@ class NixlMover:
     """One NIXL agent over a worker's page-major KV tensor; a write's deadline is its own."""
 
     def __init__(self, name: str, kv: Any, page_bytes: int, num_pages: int) -> None:
-        from tandem.kv import nixl_transfer as nx
+        from tandem.kv.transfer import nixl as nx
 
         is_cuda = getattr(getattr(kv, "device", None), "type", "cpu") == "cuda"
         mem: nx.MemType = "VRAM" if is_cuda else "DRAM"

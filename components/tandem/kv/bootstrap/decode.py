@@ -1,8 +1,8 @@
 """KV handoff between a prefill and a decode worker: the bootstrap protocol over ZMQ (the socket
-layer of the handoff; the per-request state machine over it is tandem.engines.pd). See
+layer of the handoff; the per-request state machine over it is tandem.engines.handoff). See
 ARCHITECTURE.md, "Disaggregated prefill/decode".
 
-The prefill side (tandem.kv.prefill_side) binds a ROUTER bootstrap socket. A decode side connects
+The prefill side (tandem.kv.bootstrap.prefill) binds a ROUTER bootstrap socket. A decode side connects
 a DEALER to it and, once per peer, sends `KvHello` (its transfer agent's metadata and KV layout).
 Per request (`room`) the decode side reserves pages and sends `KvRoom(room, pages)`; the prefill
 side computes the prompt's KV, WRITEs it into those pages with the mover (NIXL, or a simulation
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from tandem.kv.movers import KvMover
-from tandem.kv.prefill_side import Destination, PrefillSide, batches
+from tandem.kv.transfer.movers import KvMover
+from tandem.kv.bootstrap.prefill import Destination, PrefillSide, batches
 from tandem.runtime import wire, transport
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
@@ -75,7 +75,7 @@ class _Conn:
 
 
 class DecodeSide:
-    carries_logprobs = True  # fetch returns (first token, its logprobs) (tandem.engines.pd)
+    carries_logprobs = True  # fetch returns (first token, its logprobs) (tandem.engines.handoff)
 
     def __init__(self, mover: KvMover, name: str, *, done_timeout_s: float,
                  transfer_timeout_s: float) -> None:

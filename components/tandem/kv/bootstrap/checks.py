@@ -1,4 +1,4 @@
-"""What a prefill worker's bootstrap socket accepts from a decode peer (tandem.kv.handoff): the
+"""What a prefill worker's bootstrap socket accepts from a decode peer (tandem.kv.bootstrap.decode): the
 bounds that keep a `KvHello` from making the mover allocate or register gigabytes, and a `KvRoom`
 from naming pages the peer does not have. Pure functions: each returns None, or why not in words
 (which goes back to the peer in a `KvHelloReply` or `KvDone` error).

@@ -1,9 +1,9 @@
-"""The prefill side of the KV handoff's bootstrap protocol (tandem.kv.handoff has the protocol and
+"""The prefill side of the KV handoff's bootstrap protocol (tandem.kv.bootstrap.decode has the protocol and
 the decode side): the ROUTER socket decode workers connect to, the rooms waiting for their pages or
 their request, and the page WRITEs (through the mover) with their `KvDone` answers.
 
 It treats every decode peer as untrusted input. Bytes that do not decode are dropped by the
-transport; a `KvHello` is checked (tandem.kv.checks: caps on metadata, pages, address range)
+transport; a `KvHello` is checked (tandem.kv.bootstrap.checks: caps on metadata, pages, address range)
 before the mover sees it, and the mover adds the peer off the event loop, one at a time; a
 `KvRoom` is checked against the layout its peer announced, and binds its room to that peer (ZMQ
 identity): a second peer's `KvRoom` for it is refused, and only the binding peer may `KvCancel`
@@ -25,8 +25,8 @@ from typing import TypeVar
 
 import zmq
 
-from tandem.kv.checks import check_hello, check_room
-from tandem.kv.movers import KvMover
+from tandem.kv.bootstrap.checks import check_hello, check_room
+from tandem.kv.transfer.movers import KvMover
 from tandem.runtime import transport, wire
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
@@ -76,7 +76,7 @@ class _Peer:
 
 
 class PrefillSide:
-    carries_logprobs = True  # KvDone carries the first token's logprobs (tandem.engines.pd)
+    carries_logprobs = True  # KvDone carries the first token's logprobs (tandem.engines.handoff)
 
     def __init__(self, mover: KvMover, host: str, port: int, *, room_timeout_s: float,
                  transfer_timeout_s: float, advertise_host: str = "") -> None:
