@@ -11,8 +11,9 @@ that the workers it reached are the ones this cluster started: a port taken by a
 never goes unnoticed. A child stays restartable from its plan entry (`LocalCluster.restart`).
 
 `LocalCluster.supervise(policy)`, called in a loop, does what an orchestrator would: a dead worker
-is started again on its ports (frontends reconnect by themselves) within `RestartPolicy`'s rate; a
-dead frontend, or a worker dying faster than that, is a `LaunchError`.
+or frontend (whatever its exit status: the cluster is still meant to run) is started again on its
+ports within `RestartPolicy`'s rate (frontends reconnect to restarted workers by themselves, and a
+restarted frontend finds every worker); one dying faster than that is a `LaunchError`.
 """
 
 from __future__ import annotations
@@ -365,12 +366,9 @@ class LocalCluster:
         return exited(self.procs.values())
 
     def supervise(self, policy: RestartPolicy) -> list[str]:
-        """Restart each dead worker, one line each (module docstring); LaunchError if not."""
+        """Restart each dead child, one line each (module docstring); LaunchError if not."""
         lines = []
-        workers = {c.name for c in self.plan.workers}
         for p in self.exited():
-            if p.name not in workers:
-                raise LaunchError(describe_exit(p))
             if not policy.allow(p.name, time.monotonic()):
                 raise LaunchError(f"{describe_exit(p)}\n{p.name} died {policy.max_restarts} "
                                   f"times within {policy.window_s:g}s: not restarting it")

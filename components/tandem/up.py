@@ -9,9 +9,9 @@ nothing is declared twice, and a new worker flag reaches `up`'s children with no
 Then: plan the processes, check every port is free (before anything says "serving"), start them in
 their own sessions (Ctrl-C reaches only us), show progress while workers come up, print the URL and
 a sample `curl`, optionally stream a demo answer, and supervise as an orchestrator would
-(`LocalCluster.supervise`): a worker that dies is reported and started again on its port, at most
-RESTARTS times per RESTART_WINDOW_S, while the rest of the cluster keeps serving; a frontend that
-dies (or a worker that keeps dying) is reported with its exit status and the cluster stops.
+(`LocalCluster.supervise`): a worker or frontend that dies is reported and started again on its
+port, at most RESTARTS times per RESTART_WINDOW_S, while the rest of the cluster keeps serving; one
+that keeps dying is reported with its exit status and the cluster stops.
 Ctrl-C or SIGTERM stops every child (SIGTERM, the drain deadline, then SIGKILL).
 """
 
@@ -37,7 +37,7 @@ COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded
 PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port")
 PER_FRONTEND = ("port", "workers", "reuse_port", "worker_start_timeout_s")
 DEMO_MAX_TOKENS = 48
-RESTARTS, RESTART_WINDOW_S = 5, 60.0  # a worker restarted more often than this stops the cluster
+RESTARTS, RESTART_WINDOW_S = 5, 60.0  # a child restarted more often than this stops the cluster
 
 
 def worker_flags() -> list[flags.Flag]:

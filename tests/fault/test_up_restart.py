@@ -1,6 +1,6 @@
-"""`tandem up` supervises like an orchestrator: a worker killed with SIGKILL is started again on its
-port while the rest of the cluster keeps serving, and requests succeed afterwards; a worker that
-keeps dying, or a dead frontend, stops the cluster."""
+"""`tandem up` supervises like an orchestrator: a worker or a frontend killed with SIGKILL (or a
+frontend that exits 0 on a stray SIGTERM) is started again on its port while the rest of the
+cluster keeps serving, and requests succeed afterwards; one that keeps dying stops the cluster."""
 
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def test_restarts_are_rate_limited() -> None:
     assert policy.allow("agg-0", 11.5)  # the first has left the window
 
 
-def test_a_dead_frontend_or_a_worker_dying_too_often_stops_supervision(tiny_model: str,
-                                                                       tmp_path) -> None:
+def test_a_dead_frontend_is_restarted_and_one_dying_too_often_stops_supervision(
+        tiny_model: str, tmp_path) -> None:
     plan = launcher.plan(launcher.Shape(agg=1), tiny_model,
                          worker_args=("--engine", "mock", "--log-level", "WARNING"),
                          frontend_args=("--log-level", "WARNING"))
@@ -112,8 +112,16 @@ def test_a_dead_frontend_or_a_worker_dying_too_often_stops_supervision(tiny_mode
         with pytest.raises(launcher.LaunchError, match="not restarting"):
             cluster.supervise(policy)
         cluster.restart("agg")
+        cluster.wait_ready(60)
+        front = launcher.RestartPolicy(max_restarts=1, window_s=60.0)
         cluster.procs["frontend"].kill()
-        with pytest.raises(launcher.LaunchError, match="frontend"):
-            cluster.supervise(launcher.RestartPolicy())
+        assert len(cluster.supervise(front)) == 1  # restarted on its port, serving again
+        cluster.wait_ready(60)
+        model = launcher.get_json(cluster.url + "/v1/models")["data"][0]["id"]
+        r = completion(cluster.url, {"model": model, "prompt": "x", "max_tokens": 4})
+        assert r.status == 200 and r.done and r.error is None
+        cluster.procs["frontend"].stop()  # SIGTERM: it drains and exits 0, the cluster goes on
+        with pytest.raises(launcher.LaunchError, match="frontend"):  # (its second death)
+            cluster.supervise(front)
     finally:
         cluster.stop()
