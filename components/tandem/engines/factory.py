@@ -3,6 +3,7 @@ imports are imported only here, and only when chosen; the worker knows no engine
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from tandem.config import ENGINES, WorkerConfig
@@ -25,7 +26,9 @@ def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
             return SimulatedMover(name, page_bytes, num_pages, cfg.kv_bytes_per_s)
         from tandem.kv.transfer.movers import NixlMover
 
-        return NixlMover(name, kv, page_bytes, num_pages)
+        # An agent name of this process start: a worker that restarts under its name is a new
+        # agent to its peers' NIXL, which refuses an agent whose name it still knows.
+        return NixlMover(f"{name}-{secrets.token_hex(4)}", kv, page_bytes, num_pages)
 
     return HandoffConfig(
         role=cfg.role, name=name, make_mover=make_mover,
