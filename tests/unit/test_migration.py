@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import msgspec
 import pytest
 
 from tandem.router.request import DeadlineExceeded, RequestHandle
@@ -246,3 +247,39 @@ async def test_request_ids_and_rooms_are_random() -> None:
     assert len(set(rooms)) == 3
     for h in hs:
         await h.__aexit__(None, None, None)
+
+
+async def test_a_worker_that_fails_at_once_is_passed_over_until_it_serves_again() -> None:
+    """Least-loaded would send every request to the worker that fails them fastest (it is always
+    idle): a failure streak passes it over while another can take the request, tries it again
+    after a backoff, and a request it serves ends the streak."""
+    clock = Clock()
+    workers = MemoryWorkers()
+    pool = WorkerPool(["tcp://w0", "tcp://w1"], "fe-1", connect=workers.connect, clock=clock)
+    for i, link in enumerate(pool.links):
+        link.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, wire.WorkerInfo(
+            f"w{i}", "agg", "mock", "m", 4, 100, 4096)))
+        link.on_message(LoadReport(0, Load(pages_free=100, pages_total=100)))
+    w0, w1 = pool.links
+
+    async def one(end_on_w0: Delta | None = None) -> str:
+        h = await placed(pool)
+        where = h.workers[0]
+        link = pool.link(where)
+        assert link is not None
+        d = end_on_w0 if (end_on_w0 is not None and where == w0.address) else \
+            Delta(h.rid, 0, [1], "length", Usage(3, 1))
+        link.on_deltas(Deltas([msgspec.structs.replace(d, rid=h.rid)]))
+        await h.__aexit__(None, None, None)
+        return where
+
+    broken = Delta("x", 0, [], "error", error="no KV", error_kind=ErrorKind.KV_TRANSFER)
+    assert await one(broken) == w0.address  # (least loaded, first in order: w0)
+    assert w0.streak.count == 1
+    assert {await one(broken) for _ in range(5)} == {w1.address}  # passed over while it waits
+    clock.now += 0.6  # its first backoff (0.5 s) is over: tried again, fails again
+    assert await one(broken) == w0.address and w0.streak.count == 2
+    assert {await one(broken) for _ in range(5)} == {w1.address}  # now for 1 s
+    clock.now += 1.1
+    assert await one() == w0.address and w0.streak.count == 0  # it served: back in the rotation
+    assert (await pool.snapshot())[0]["failed_in_a_row"] == 0

@@ -78,3 +78,30 @@ def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, loa
     total = load.pages_total
     need = -(-num_tokens // info.page_size)
     return not (total and need <= total and load.pages_free < need)
+
+
+STREAK_BACKOFF_S = (0.5, 30.0)  # first and longest wait before a failing worker is tried again
+
+
+@dataclass(slots=True)
+class FailureStreak:
+    """The requests a worker ended in a row with an error of its own (its engine failed, or the KV
+    did not arrive). While the streak lasts the worker is passed over whenever another can take the
+    request, so a worker that fails at once does not attract traffic for being idle; it is tried
+    again after a wait that doubles with each failure (0.5 s up to 30 s), so one that recovered is
+    found; a request it ends well ends the streak."""
+
+    count: int = 0
+    retry_at: float = 0.0
+
+    def failed(self, now: float) -> None:
+        self.count += 1
+        first, longest = STREAK_BACKOFF_S
+        self.retry_at = now + min(longest, first * 2 ** min(self.count - 1, 16))
+
+    def served(self) -> None:
+        self.count = 0
+
+    def avoid(self, now: float) -> bool:
+        return self.count > 0 and now < self.retry_at
+

@@ -33,14 +33,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from tandem.router.accounting import WorkerAccount
+from tandem.router.accounting import FailureStreak, WorkerAccount
 from tandem.router.request import Leg
 from tandem.runtime import errors, wire
 from tandem.runtime.channel import Channel, ChannelFull
 from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
 from tandem.runtime.lifecycle import TaskGroup, running_loop
-from tandem.runtime.wire import (Abort, Credit, Deltas, Generate, Generates, Hello, HelloReply,
-                                 Load, LoadQuery, LoadReport, WorkerInfo)
+from tandem.runtime.wire import (Abort, Credit, Deltas, ErrorKind, Generate, Generates, Hello,
+                                 HelloReply, Load, LoadQuery, LoadReport, WorkerInfo)
 
 log = logging.getLogger("tandem.router")
 
@@ -80,6 +80,7 @@ class WorkerLink:
         self.load = Load()
         self.legs: dict[str, Leg] = {}
         self.account = WorkerAccount()
+        self.streak = FailureStreak()  # requests it failed in a row (placement passes it over)
         self.on_capacity: Callable[[], None] = _nothing
         self.protocol_errors = 0  # deltas refused for a gap or an overlap
         self.last_seen = 0.0
@@ -192,6 +193,10 @@ class WorkerLink:
             if leg.on_delta(d):  # its last: the worker ended it, nothing to abort
                 del legs[d.rid]
                 account.close(leg)
+                if d.finish_reason != "error":
+                    self.streak.served()
+                elif d.error_kind in (ErrorKind.ENGINE, ErrorKind.KV_TRANSFER):
+                    self.streak.failed(self.clock())
         if not self._credit:  # once per loop pass, after the requests took these deltas
             self.defer(self._give_credit)
         self._credit += 1

@@ -191,10 +191,15 @@ class WorkerPool:
         return "agg" in serving or ("prefill" in serving and "decode" in serving)
 
     def _candidates(self, links: list[WorkerLink], prompt_ids: list[int]) -> list[WorkerLink]:
-        """Those of `links` with room for the prompt."""
+        """Those of `links` with room for the prompt; of those, the ones not in a failure streak
+        (router.accounting.FailureStreak) if there are any."""
         n, limits = len(prompt_ids), self.router
-        return [w for w in links
+        room = [w for w in links
                 if w.info is not None and can_take(limits, w.account, w.info, w.load, n)]
+        if any(w.streak.count for w in room):
+            well = [w for w in room if not w.streak.avoid(w.clock())]
+            return well or room
+        return room
 
     def _choose(self, role: str, candidates: list[WorkerLink], prompt_ids: list[int]
                 ) -> tuple[WorkerLink, int]:
@@ -284,6 +289,7 @@ class WorkerPool:
                 "draining": bool(getattr(load, "draining", False)),
                 "placed": self.placed.get(w.address, 0),
                 "in_flight": w.num_in_flight,
+                "failed_in_a_row": w.streak.count,
                 "pending_prefill_tokens": w.pending_prefill_tokens,
                 "active_decode_tokens": w.active_decode_tokens,
                 "running": load.running,
