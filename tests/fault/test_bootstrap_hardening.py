@@ -243,3 +243,46 @@ async def test_a_pass_of_rooms_is_checked_room_by_room_and_its_dones_come_in_one
     with pytest.raises(asyncio.TimeoutError):  # none of its rooms was bound
         await asyncio.wait_for(asyncio.shield(side.wait_room(100)), 0.2)
     d.close()
+
+
+async def test_a_decode_side_whose_hello_was_forgotten_says_hello_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hellos from many outside identities make the prefill side forget an idle legitimate peer
+    (it makes room for new ones); that peer's next room is refused with NO_HELLO, and the decode
+    side says hello again and asks once more, so its request succeeds. (Seen before: every later
+    PD request failed with "no KvHello", for as long as the prefill worker lived.)"""
+    from tandem.kv.bootstrap import prefill as prefill_mod
+    from tandem.kv.bootstrap.decode import DecodeSide
+    from tandem.runtime.wire import Bootstrap
+
+    monkeypatch.setattr(prefill_mod, "MAX_PEERS", 3)
+    port = free_port()
+    side = PrefillSide(SimulatedMover("prefill", PAGE_BYTES, 64), "127.0.0.1", port,
+                       room_timeout_s=5.0, transfer_timeout_s=5.0)
+    await side.start()
+    decode = DecodeSide(SimulatedMover("decode", PAGE_BYTES, 64), "decode", done_timeout_s=5.0,
+                        transfer_timeout_s=1.0)
+    flood: list[Decode] = []
+    try:
+        async def one(room: int) -> int:
+            fetch = asyncio.create_task(decode.fetch(Bootstrap("127.0.0.1", port, room), [2, 3],
+                                                     lambda: None))
+            dest = await asyncio.wait_for(side.wait_room(room), 5)
+            err = await side.send(room, dest, [0, 1], first_token=40 + room)
+            assert err is None
+            first, _ = await asyncio.wait_for(fetch, 5)
+            return first
+
+        assert await one(1) == 41
+        for i in range(6):  # outsiders' hellos push the idle legitimate peer out
+            d = Decode(f"tcp://127.0.0.1:{port}", f"outsider-{i}".encode())
+            flood.append(d)
+            assert (await d.hello()).ok
+        assert await one(2) == 42  # refused once (NO_HELLO), hello again, then served
+        refused = transport.protocol_errors[("bootstrap", "room from a peer without KvHello")]
+        assert refused >= 1
+    finally:
+        for d in flood:
+            d.close()
+        await decode.close()
+        await side.close()

@@ -13,6 +13,9 @@ from __future__ import annotations
 from tandem.runtime import wire
 from tandem.runtime.wire import KvHello, KvLayout, KvRoom
 
+# A prefill side's answer to a room from a peer whose KvHello it does not hold (it restarted, or
+# made room for other peers): the decode side says hello again and asks once more.
+NO_HELLO = "no KvHello"
 MAX_METADATA_BYTES = 64 * 1024
 MAX_NAME_CHARS = 256
 MAX_PEER_PAGES = 1 << 20  # pages a peer may announce (descriptors: 24 MiB at the cap)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from tandem.kv.transfer.movers import KvMover
+from tandem.kv.bootstrap.checks import NO_HELLO
 from tandem.kv.bootstrap.prefill import Destination, PrefillSide, batches
 from tandem.runtime import wire, transport
 from tandem.runtime.errors import KvHandoffError
@@ -85,7 +86,8 @@ class DecodeSide:
         self.transfer_timeout_s = transfer_timeout_s
         self._conns: dict[str, _Conn] = {}
         self._tasks = TaskGroup()
-        self._ident = f"{name}-{id(self):x}".encode()
+        self._ident = f"{name}-{id(self):x}"
+        self._num_conns = 0  # each connection has an identity of its own (see _connect)
 
     async def close(self) -> None:
         for c in list(self._conns.values()):
@@ -102,26 +104,33 @@ class DecodeSide:
         """Ask the prefill side for the room's KV in `pages`; return the first token (and its
         logprobs, when the request asked for them) once the KV is in place. On failure raise
         KvHandoffError and call `release()` once pages are safe."""
-        try:
-            conn = await self._connect(bootstrap)
-        except BaseException:
-            release()
-            raise
-        done_fut: asyncio.Future[KvDone] = asyncio.get_running_loop().create_future()
-        pending = _Pending(done_fut, release)
-        conn.rooms[bootstrap.room] = pending
-        self._queue(conn, KvRoom(bootstrap.room, pages))
-        try:
-            done = await asyncio.wait_for(asyncio.shield(done_fut), self.done_timeout_s)
-        except BaseException as e:
-            # The prefill side may still be writing into `pages`: quarantine them.
-            self._queue(conn, KvCancel(bootstrap.room))  # (after its KvRoom, if that waits)
-            self._tasks.spawn(self._quarantine(conn, bootstrap.room, pending))
-            if isinstance(e, asyncio.TimeoutError):
-                raise KvHandoffError(f"room {bootstrap.room}: no KV from {conn.address} within "
-                                     f"{self.done_timeout_s:.0f}s") from None
-            raise
-        conn.rooms.pop(bootstrap.room, None)
+        for ask in (1, 2):
+            try:
+                conn = await self._connect(bootstrap)
+            except BaseException:
+                release()
+                raise
+            done_fut: asyncio.Future[KvDone] = asyncio.get_running_loop().create_future()
+            pending = _Pending(done_fut, release)
+            conn.rooms[bootstrap.room] = pending
+            self._queue(conn, KvRoom(bootstrap.room, pages))
+            try:
+                done = await asyncio.wait_for(asyncio.shield(done_fut), self.done_timeout_s)
+            except BaseException as e:
+                # The prefill side may still be writing into `pages`: quarantine them.
+                self._queue(conn, KvCancel(bootstrap.room))  # (after its KvRoom, if that waits)
+                self._tasks.spawn(self._quarantine(conn, bootstrap.room, pending))
+                if isinstance(e, asyncio.TimeoutError):
+                    raise KvHandoffError(f"room {bootstrap.room}: no KV from {conn.address} "
+                                         f"within {self.done_timeout_s:.0f}s") from None
+                raise
+            conn.rooms.pop(bootstrap.room, None)
+            if ask == 1 and not done.ok and done.error == NO_HELLO:
+                # It forgot our hello (it restarted, or made room for other peers): it wrote
+                # nothing, so say hello again on a new connection and ask once more.
+                self._drop(conn, "the prefill side does not hold our KvHello")
+                continue
+            break
         if not done.ok or done.first_token < 0:
             release()
             raise KvHandoffError(f"room {bootstrap.room}: prefill failed: "
@@ -172,7 +181,11 @@ class DecodeSide:
         address = f"{b.host}:{b.port}"
         conn = self._conns.get(address)
         if conn is None or conn.dead:
-            sock = transport.dealer(f"tcp://{address}", self._ident)
+            # A new identity: the prefill side's ROUTER drops a connection that reuses one it may
+            # not have seen leave yet (and a new connection is a new peer there: hello first).
+            self._num_conns += 1
+            sock = transport.dealer(f"tcp://{address}",
+                                    f"{self._ident}-{self._num_conns}".encode())
             conn = _Conn(address, sock, asyncio.get_running_loop().create_future())
             self._conns[address] = conn
             self._tasks.spawn(self._recv_loop(conn), name=f"kv-recv {address}")

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import zmq
 
-from tandem.kv.bootstrap.checks import check_hello, check_room
+from tandem.kv.bootstrap.checks import NO_HELLO, check_hello, check_room
 from tandem.kv.transfer.movers import KvMover
 from tandem.runtime import transport, wire
 from tandem.runtime.errors import KvHandoffError
@@ -241,7 +241,7 @@ class PrefillSide:
         peer, layout = self._peers.get(ident), self._layouts.get(ident)
         if peer is None or layout is None:
             return self._refuse_room(ident, msg.room, "room from a peer without KvHello",
-                                     "no KvHello")
+                                     NO_HELLO)
         why = check_room(msg, layout)
         if why is not None:
             return self._refuse_room(ident, msg.room, "bad room", why)
