@@ -4,7 +4,7 @@ logprobs as tokens counted)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 from typing import Any
 
 import httpx
@@ -49,7 +49,6 @@ async def post(pre: Preprocessor, ids: list[int], per: int, body: dict[str, Any]
     if not body.get("stream"):
         return r.json()
     events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
-    import json
     chunks = [json.loads(e) for e in events[:-1]]
     return {"usage": chunks[-1]["usage"],
             "text": "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]),
