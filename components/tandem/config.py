@@ -112,6 +112,20 @@ def model_dir(text: str) -> str:
     return text
 
 
+def key_dir(text: str) -> str:
+    """A directory holding a readable cluster key pair (checked as the flags are parsed, so a
+    missing or broken key is a clear usage error, not a failure at start-up)."""
+    from tandem.runtime.auth import AuthError, load_keys
+
+    if not text:  # (none: loopback only)
+        return text
+    try:
+        load_keys(text)
+    except AuthError as e:
+        raise ValueError(str(e)) from None
+    return text
+
+
 def address_list(text: str) -> tuple[str, ...]:
     addrs = tuple(a.strip() for a in text.split(",") if a.strip())
     if not addrs:
@@ -126,7 +140,7 @@ def served_name(model: str) -> str:
 
 
 def opt(default: Any, help: str, *, flag: str = "", type: Callable[[str], Any] | None = None,
-        choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
+        choices: tuple[Any, ...] | None = None,
         required: bool = False, cli: bool = True, metavar: str = "") -> Any:
     """A dataclass field carrying its flag's metadata (see the module docstring)."""
     meta: dict[str, Any] = {"help": help, "cli": cli, "required": required}
@@ -160,7 +174,7 @@ class Common:
                                  type=non_negative_float)
     auth_keys: str = opt("", "directory holding the cluster's CURVE key pair (`tandem keys init "
                          "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only)",
-                         metavar="DIR")
+                         type=key_dir, metavar="DIR")
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,14 @@ def test_keys_on_disk(tmp_path):
     (tmp_path / "bad" / "cluster.key_secret").write_text("garbage\n")
     with pytest.raises(auth.AuthError):
         auth.load_keys(tmp_path / "bad")
+
+
+def test_a_secret_key_others_can_read_is_used_with_a_warning(tmp_path, caplog) -> None:
+    secret = auth.write_keys(tmp_path)
+    with caplog.at_level("WARNING", logger="tandem.auth"):
+        auth.load_keys(tmp_path)
+    assert not caplog.records  # written 0600: no warning
+    secret.chmod(0o644)
+    with caplog.at_level("WARNING", logger="tandem.auth"):
+        auth.load_keys(tmp_path)
+    assert any("can be read by other users" in r.getMessage() for r in caplog.records)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tandem.runtime.auth import write_keys
 from tandem import flags, launcher, up
 from tandem.cli import main, parse
 from tandem.config import FrontendConfig, RouterConfig, UpConfig, WorkerConfig, served_name
@@ -197,14 +198,22 @@ def test_up_forwards_every_worker_and_frontend_flag_exactly(model: str) -> None:
                 assert flag.flag not in child.argv, (child.name, flag.flag)
 
 
-def test_up_forwards_only_what_was_given(model: str) -> None:
+def test_up_forwards_only_what_was_given(model: str, tmp_path: Path) -> None:
     cmd = parse(["up", "--model", model, "--page-size", "8", "--router-policy", "round-robin"])
     assert cmd.forwarded is not None
     assert cmd.forwarded.worker == ("--page-size", "8")
     assert cmd.forwarded.frontend == ("--router-policy", "round-robin")
-    keyed = parse(["up", "--model", model, "--auth-keys", "/k", "--log-level", "DEBUG"]).forwarded
+    write_keys(tmp_path / "k")
+    keys = str(tmp_path / "k")
+    keyed = parse(["up", "--model", model, "--auth-keys", keys, "--log-level", "DEBUG"]).forwarded
     assert keyed is not None
-    assert keyed.worker == keyed.frontend == ("--log-level", "DEBUG", "--auth-keys", "/k")
+    assert keyed.worker == keyed.frontend == ("--log-level", "DEBUG", "--auth-keys", keys)
+
+
+def test_a_missing_cluster_key_is_a_usage_error(model: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    said = error_of(["worker", "--model", model, "--auth-keys", str(tmp_path / "none")], capsys)
+    assert "argument --auth-keys: no cluster key at" in said and "tandem keys init" in said
 
 
 def test_up_passes_engine_flags_to_every_worker_after_its_own(model: str) -> None:

@@ -65,6 +65,10 @@ def load_keys(directory: str | os.PathLike[str]) -> ClusterKeys:
         raise AuthError(f"cannot read the cluster key {secret_file}: {e}") from None
     if not public or not secret:
         raise AuthError(f"{secret_file} holds no secret key")
+    mode = secret_file.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("the cluster's secret key %s can be read by other users (mode %o): anyone "
+                    "who reads it can join the cluster; `chmod 600` it", secret_file, mode)
     return ClusterKeys(public, secret)
 
 
