@@ -35,13 +35,13 @@ def _check_peer(ours: KvLayout, theirs: KvLayout) -> None:
         raise ValueError(f"peer pages are {theirs.page_bytes} bytes, ours {ours.page_bytes}")
 
 
-class SimulatedMover:
-    """Moves no bytes; a write takes num_pages * page_bytes / bytes_per_s (0 = instant)."""
+class _InProcessMover:
+    """What a mover without NIXL announces and accepts: its name as its metadata, a layout of
+    its own memory kind, any peer whose pages are as large as ours."""
 
-    def __init__(self, name: str, page_bytes: int, num_pages: int, bytes_per_s: float = 0.0):
+    def __init__(self, name: str, page_bytes: int, num_pages: int, mem: str) -> None:
         self.name = name
-        self._layout = KvLayout(0, page_bytes, num_pages, "SIM")
-        self.bytes_per_s = bytes_per_s
+        self._layout = KvLayout(0, page_bytes, num_pages, mem)
 
     def metadata(self) -> bytes:
         return self.name.encode()
@@ -55,6 +55,17 @@ class SimulatedMover:
 
     def remove_peer(self, peer: str) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class SimulatedMover(_InProcessMover):
+    """Moves no bytes; a write takes num_pages * page_bytes / bytes_per_s (0 = instant)."""
+
+    def __init__(self, name: str, page_bytes: int, num_pages: int, bytes_per_s: float = 0.0):
+        super().__init__(name, page_bytes, num_pages, "SIM")
+        self.bytes_per_s = bytes_per_s
 
     async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
                     deadline_s: float) -> None:
@@ -66,9 +77,6 @@ class SimulatedMover:
                                         "deadline")
             await asyncio.sleep(cost)
 
-    def close(self) -> None:
-        pass
-
 
 class LocalFabric:
     """The KV tensors of the engines in one process, by mover name: what LocalMovers write into."""
@@ -77,27 +85,14 @@ class LocalFabric:
         self.kv: dict[str, Any] = {}
 
 
-class LocalMover:
+class LocalMover(_InProcessMover):
     """Copies page-major KV pages between tensors of one process (`dst[remote] = src[local]`)."""
 
     def __init__(self, fabric: LocalFabric, name: str, kv: Any, page_bytes: int,
                  num_pages: int) -> None:
-        self.fabric, self.name, self._kv = fabric, name, kv
-        self._layout = KvLayout(0, page_bytes, num_pages, "LOCAL")
+        super().__init__(name, page_bytes, num_pages, "LOCAL")
+        self.fabric, self._kv = fabric, kv
         fabric.kv[name] = kv
-
-    def metadata(self) -> bytes:
-        return self.name.encode()
-
-    def kv_layout(self) -> KvLayout:
-        return self._layout
-
-    def add_peer(self, metadata: bytes, layout: KvLayout) -> str:
-        _check_peer(self._layout, layout)
-        return metadata.decode()
-
-    def remove_peer(self, peer: str) -> None:
-        pass
 
     async def write(self, peer: str, local: Sequence[int], remote: Sequence[int],
                     deadline_s: float) -> None:
