@@ -72,10 +72,9 @@ def _fresh_zmq_context() -> Iterator[None]:
     from tandem.runtime import transport
 
     yield
-    ctx = transport._ctx
+    ctx = transport.forget_context()
     if ctx is None:
         return
-    transport._ctx = None
     t = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
     t.start()
     t.join(2.0)

@@ -46,14 +46,18 @@ async def _run(requests: int, tokens: int, concurrency: int, model_dir: str) -> 
         pending.clear()
         payload = wire.encode(Generates(items))
         msg = wire.TO_WORKER.decode(payload)
-        server._dispatch(ident, msg)
+        server.dispatch((ident, msg))
 
-    class Server(WorkerServer):
-        def _send(self, to: bytes, msg: Any) -> None:
+    class Frontend:
+        """The worker's channel: what it sends reaches the fake frontend at once."""
+
+        closed = False
+
+        def send_nowait(self, to: bytes, msg: Any) -> None:
             payload = wire.encode(msg)
             back = wire.TO_FRONTEND.decode(payload)  # (the frontend's side of the wire)
             if isinstance(back, Deltas):
-                loop.call_soon(self._dispatch, to, Credit(1))
+                loop.call_soon(server.dispatch, (to, Credit(1)))
                 for d in back.items:
                     if d.finish_reason is not None:
                         finished[0] += 1
@@ -65,8 +69,8 @@ async def _run(requests: int, tokens: int, concurrency: int, model_dir: str) -> 
     cfg = WorkerConfig(engine="mock", max_batch=4096)
     engine = MockEngine(model_dir, max_batch=4096)
     await engine.start()
-    server = Server(cfg, engine, WorkerInfo("w", "agg", "mock", "m", 16, engine.num_pages, 256))
-    server._sock = object()  # type: ignore[assignment]  # ready: no socket is used
+    server = WorkerServer(cfg, engine, WorkerInfo("w", "agg", "mock", "m", 16, engine.num_pages,
+                                                  256), channel=Frontend())  # type: ignore[arg-type]
     try:
         start = time.process_time()
         for _ in range(concurrency):

@@ -132,9 +132,10 @@ def test_garbage_everywhere_while_streams_run(pd):
                  wire.Abort([f"cmpl-{rng.getrandbits(64):x}" for _ in range(5)]),
                  wire.Generates([wire.Generate("fz", [2**40, -5], wire.SamplingParams())]),
                  wire.Generates([wire.Generate("fz2", [], wire.SamplingParams(max_tokens=0))])]
-    to_prefill = [wire.KvRoom(rng.getrandbits(63), list(range(5))), wire.KvCancel(1),
+    to_prefill = [wire.KvRooms([wire.KvRoom(rng.getrandbits(63), list(range(5)))]),
+                  wire.KvCancel([1]),
                   wire.KvHello(3, "fz", b"\x00" * 64, wire.KvLayout(0, 1 << 40, 1 << 30)),
-                  wire.KvRoom(-1, [-1, 2**40])]
+                  wire.KvRooms([wire.KvRoom(-1, [-1, 2**40])])]
     workers = [w.address for w in c.workers]
     with ThreadPoolExecutor(8) as ex:
         streams = [ex.submit(completion, c.url, b, 60.0) for b in bodies * 2]
@@ -142,7 +143,7 @@ def test_garbage_everywhere_while_streams_run(pd):
         zw = [ex.submit(_zmq_garbage, a, random.Random(SEED + 2 + i), 200 * SCALE,
                         [1, 4, 6, 8, 9], to_worker) for i, a in enumerate(workers)]
         zb = ex.submit(_zmq_garbage, c.bootstrap, random.Random(SEED + 9), 200 * SCALE,
-                       [16, 18, 19], to_prefill)
+                       [16, 19, 21], to_prefill)
         results = [f.result() for f in streams]
         statuses = http.result()
         for f in [*zw, zb]:

@@ -1,4 +1,5 @@
-"""A worker's request socket against hostile or broken frontends, through raw ZMQ DEALERs: bad
+"""A worker's request channel against hostile or broken frontends (in memory through the wire
+encoding, as frontends played by the test; on real ZMQ where the socket layer is the point): bad
 requests get an error delta and never reach the engine, bad credit cannot close the window, a
 frontend may abort only its own requests, a draining worker says so and takes nothing new, the
 refusals are counted on the health port's /metrics, and a receive loop that dies takes the process
@@ -29,6 +30,7 @@ from tandem.config import WorkerConfig
 from tandem.engines.base import EngineRequest, Handle, OutputSink
 from tandem.engines.mock import MockEngine
 from tandem.runtime import transport, wire
+from tandem.runtime.channel import MemoryChannel, MemoryRouter
 from tandem.runtime.wire import (
     Abort, Credit, Deltas, ErrorKind, Generate, Generates, Hello, HelloReply, LoadQuery,
     LoadReport, SamplingParams, WorkerInfo,
@@ -61,20 +63,39 @@ class SpyEngine(MockEngine):
 
 
 class Peer:
-    """A raw DEALER speaking the frontend's side of the protocol."""
+    """The frontend's side of the protocol, played by the test: on the worker's in-memory router,
+    or as a raw ZMQ DEALER to an address."""
 
-    def __init__(self, address: str, identity: bytes) -> None:
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(address)
+    def __init__(self, where: MemoryRouter | str, identity: bytes) -> None:
+        self.sock: zmq.asyncio.Socket | None = None
+        self.end: MemoryChannel | None = None
+        if isinstance(where, str):
+            self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+            self.sock.connect(where)
+        else:
+            self.end = where.connect(identity)
 
     async def send(self, msg: wire.Message) -> None:
-        await self.sock.send_multipart([wire.encode(msg)])
+        if self.end is not None:
+            self.end.send_nowait(msg)
+        else:
+            assert self.sock is not None
+            await self.sock.send_multipart([wire.encode(msg)])
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
+        if self.end is not None:
+            return await asyncio.wait_for(anext(aiter(self.end)), timeout)
+        assert self.sock is not None
         parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
         return wire.TO_FRONTEND.decode(parts[0])
+
+    def close(self) -> None:
+        if self.end is not None:
+            self.end.close()
+        if self.sock is not None:
+            self.sock.close(0)
 
     async def hello(self) -> None:
         await self.send(Hello(wire.PROTOCOL_VERSION, "raw"))
@@ -95,22 +116,35 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def worker(mock_dir: str, **cfg: Any) -> AsyncIterator[tuple[WorkerServer, SpyEngine, str]]:
-    port = free_port()
+async def worker(mock_dir: str, zmq_socket: bool = False, **cfg: Any) -> AsyncIterator[
+        tuple[WorkerServer, SpyEngine, MemoryRouter | str]]:
+    """A worker on an in-memory router (`zmq_socket`: on a ZMQ ROUTER bound to a free port)."""
+    port = free_port() if zmq_socket else 7100
     config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)
     engine = SpyEngine(mock_dir, page_size=16, num_pages=256, max_batch=16, step_delay_s=0.002)
     await engine.start()
-    server = WorkerServer(config, engine, WorkerInfo("w", "agg", "mock", "m", 16, 256, 4096))
+    router: MemoryRouter | None = None
+    if not zmq_socket:
+        router = MemoryRouter(decoders=(wire.TO_WORKER, wire.TO_FRONTEND))
+    server = WorkerServer(config, engine, WorkerInfo("w", "agg", "mock", "m", 16, 256, 4096),
+                          channel=router)
     stop = asyncio.Event()
     task = asyncio.create_task(server.run(stop))
     try:
-        yield server, engine, f"tcp://127.0.0.1:{port}"
+        yield server, engine, router if router is not None else f"tcp://127.0.0.1:{port}"
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
         await engine.shutdown()
         assert engine.pool.num_free == 256  # every page came back
         engine.pool.check()
+
+
+async def until(cond: Any, timeout: float = 5.0) -> None:
+    """Let the loop run (one pass at a time) until `cond()` holds, within a deadline."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0)
 
 
 BAD = {
@@ -143,7 +177,7 @@ async def test_bad_requests_get_bad_request_and_never_reach_the_engine(mock_dir:
         assert last["good"].finish_reason == "length" and last["good"].usage is not None
         assert engine.seen == ["good"]
         assert transport.protocol_errors[("worker", "bad request")] - before == len(BAD)
-        fe.sock.close(0)
+        fe.close()
 
 
 async def test_bad_credit_cannot_close_the_window(mock_dir: str) -> None:
@@ -157,7 +191,7 @@ async def test_bad_credit_cannot_close_the_window(mock_dir: str) -> None:
         last = await fe.until_finished({"r"})
         assert last["r"].finish_reason == "length"
         assert transport.protocol_errors[("worker", "credit not positive")] >= 2
-        fe.sock.close(0)
+        fe.close()
 
 
 async def test_a_frontend_aborts_only_its_own_requests(mock_dir: str) -> None:
@@ -170,7 +204,7 @@ async def test_a_frontend_aborts_only_its_own_requests(mock_dir: str) -> None:
                                                                        ignore_eos=True)),
                                 Generate("a-2", [9, 8], SamplingParams(max_tokens=300,
                                                                        ignore_eos=True))]))
-        await asyncio.sleep(0.05)
+        await until(lambda: server.num_requests == 2)
         await b.send(Abort(["a-1", "a-2"]))  # not b's: ignored, counted
         await a.send(Abort(["a-2"]))  # a's own: ends it
         last = await a.until_finished({"a-1"}, timeout=20)
@@ -179,8 +213,8 @@ async def test_a_frontend_aborts_only_its_own_requests(mock_dir: str) -> None:
         assert "a-2" not in last and server.num_requests == 0
         after = transport.protocol_errors[("worker", "abort of another frontend's request")]
         assert after - before == 2
-        a.sock.close(0)
-        b.sock.close(0)
+        a.close()
+        b.close()
 
 
 async def test_a_draining_worker_says_so_and_takes_no_new_work(mock_dir: str) -> None:
@@ -191,7 +225,7 @@ async def test_a_draining_worker_says_so_and_takes_no_new_work(mock_dir: str) ->
         assert isinstance(r := await fe.recv(), LoadReport) and not r.load.draining
         await fe.send(Generates([Generate("long", [5], SamplingParams(max_tokens=150,
                                                                       ignore_eos=True))]))
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.seen == ["long"])
         drain = asyncio.create_task(server.drain(30.0))
         await asyncio.sleep(0)
         assert not server.ready
@@ -213,13 +247,14 @@ async def test_a_draining_worker_says_so_and_takes_no_new_work(mock_dir: str) ->
         assert last["long"].finish_reason == "length"  # in-flight work still finishes
         assert engine.seen == ["long"]
         await drain
-        fe.sock.close(0)
+        fe.close()
 
 
 async def test_refusals_are_on_the_health_port_metrics(mock_dir: str) -> None:
-    async with worker(mock_dir) as (server, _engine, address):
+    async with worker(mock_dir, zmq_socket=True) as (server, _engine, address):
         fe = Peer(address, b"fe")
         await fe.hello()
+        assert fe.sock is not None  # (raw bytes: through the real socket)
         await fe.sock.send_multipart([bytes([0x93, 1, 0x03, 0xA2, 0xFF, 0xFE])])
         await fe.send(Generates([BAD["empty"]]))
         await fe.until_finished({"b4"})
@@ -232,7 +267,7 @@ async def test_refusals_are_on_the_health_port_metrics(mock_dir: str) -> None:
                       error="bad request") >= 1
         assert sample(text, "tandem_worker_bad_messages_total", socket="worker") >= 1
         assert sample(text, "tandem_worker_draining") == 0
-        fe.sock.close(0)
+        fe.close()
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -317,5 +352,5 @@ async def test_from_sigterm_a_worker_process_is_not_ready_and_reports_draining(
                     await fe.send(Credit(1))
         assert p.alive()  # still finishing "long"
     finally:
-        fe.sock.close(0)
+        fe.close()
         p.kill()

@@ -1,5 +1,5 @@
-"""The worker's credit window on the wire: a WorkerServer (mock engine, in this process) and a raw
-ZMQ DEALER playing the frontend. Without credit the worker sends no more than its window (first
+"""The worker's credit window: a WorkerServer (mock engine, in this process) on an in-memory router
+(every message through the wire encoding) and the test playing the frontend. Without credit the worker sends no more than its window (first
 tokens aside) and merges what it holds; credit releases it, exactly and in order; a frontend that
 stays silent while owing credit gets its requests ended with an error and the pages come back."""
 
@@ -12,15 +12,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from tandem.engines.mock import MockEngine, mock_token
 from tandem.runtime import wire
+from tandem.runtime.channel import MemoryRouter
 from tandem.config import WorkerConfig
 from tandem.runtime.wire import Credit, Deltas, Generate, Hello, HelloReply, SamplingParams
 from tandem.worker.server import WorkerServer
-from tests.cluster import free_port
 
 VOCAB = 500
 
@@ -33,22 +31,18 @@ def mock_dir(tmp_path: Path) -> str:
 
 
 class Frontend:
-    """A raw DEALER that speaks the protocol and gives credit only when told to."""
+    """A frontend that speaks the protocol and gives credit only when told to."""
 
-    def __init__(self, address: str) -> None:
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, b"raw-frontend")
-        self.sock.connect(address)
+    def __init__(self, router: MemoryRouter) -> None:
+        self.end = router.connect(b"raw-frontend")
 
     async def send(self, msg: wire.Message | Generate) -> None:
         if isinstance(msg, Generate):  # one request: a Generates of one
             msg = wire.Generates([msg])
-        await self.sock.send_multipart([wire.encode(msg)])
+        self.end.send_nowait(msg)
 
     async def recv(self, timeout: float = 5.0) -> wire.ToFrontend:
-        parts = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
-        return wire.TO_FRONTEND.decode(parts[0])
+        return await asyncio.wait_for(anext(aiter(self.end)), timeout)
 
     async def deltas(self, timeout: float) -> list[Deltas]:
         """Every Deltas message that arrives within `timeout` (other messages are skipped)."""
@@ -63,17 +57,17 @@ class Frontend:
 
 @contextlib.asynccontextmanager
 async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServer, Frontend]]:
-    port = free_port()
-    config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)  # type: ignore[arg-type]
+    config = WorkerConfig(engine="mock", model=mock_dir, **cfg)  # type: ignore[arg-type]
     engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64, step_delay_s=0.002)
     await engine.start()
     from tandem.runtime.wire import WorkerInfo
 
     info = WorkerInfo("w", "agg", "mock", "m", 16, 1024, 4096)
-    server = WorkerServer(config, engine, info)
+    router: MemoryRouter = MemoryRouter(decoders=(wire.TO_WORKER, wire.TO_FRONTEND))
+    server = WorkerServer(config, engine, info, channel=router)
     stop = asyncio.Event()
     task = asyncio.create_task(server.run(stop))
-    fe = Frontend(f"tcp://127.0.0.1:{port}")
+    fe = Frontend(router)
     try:
         await fe.send(Hello(wire.PROTOCOL_VERSION, "raw"))
         assert isinstance(await fe.recv(), HelloReply)
@@ -81,7 +75,7 @@ async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServ
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-        fe.sock.close(linger=0)
+        fe.end.close()
         await engine.shutdown()
         assert engine.pool.num_free == 1024  # every page came back
         engine.pool.check()

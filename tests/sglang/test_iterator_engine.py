@@ -96,19 +96,19 @@ async def test_cancel_drops_outputs_not_yet_delivered_and_the_task() -> None:
     other = rec.submit(engine, "o", [0], SamplingParams(max_tokens=3))
     await asyncio.sleep(0)
     await asyncio.sleep(0)  # "r" has an output gathered, its delivery not yet run
-    assert engine._pending
+    assert engine.num_undelivered
     run.handle.cancel()  # type: ignore[union-attr]
     seen = len(run.outputs)
     await finished(other)
     await asyncio.sleep(0.01)
     assert len(run.outputs) == seen and run.finish is None
-    assert engine.load().running == 0 and not engine._tasks
+    assert engine.load().running == 0 and not engine.num_tasks
     with pytest.raises(EngineRequestError):  # a duplicate rid in flight is refused at once
         rec.submit(engine, "o2", [0], SamplingParams(max_tokens=100))
         rec.submit(engine, "o2", [0], SamplingParams())
     await engine.shutdown()
     await engine.shutdown()
-    assert not engine._tasks
+    assert not engine.num_tasks
 
 
 async def test_submit_before_start_and_after_fail_all_is_refused() -> None:

@@ -57,10 +57,10 @@ def expected(n: int, prompt: list[int] = PROMPT) -> list[int]:
 
 async def idle(engine: SGLangEngine) -> None:
     for _ in range(100):
-        if engine.load().running == 0 and not engine._tasks:
+        if engine.load().running == 0 and not engine.num_tasks:
             return
         await asyncio.sleep(0.001)
-    raise AssertionError(f"not idle: {engine.load()} tasks={engine._tasks}")
+    raise AssertionError(f"not idle: {engine.load()} tasks={engine.num_tasks}")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -276,7 +276,7 @@ async def test_shutdown_twice_mid_stream_and_refuses_work_after() -> None:
     n = len(run.outputs)
     await engine.shutdown()
     await asyncio.sleep(0.01)
-    assert len(run.outputs) == n and engine.load().running == 0 and not engine._tasks
+    assert len(run.outputs) == n and engine.load().running == 0 and not engine.num_tasks
     with pytest.raises(EngineError):
         engine.submit(EngineRequest("b", PROMPT, SamplingParams()), rec)
 

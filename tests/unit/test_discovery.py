@@ -81,7 +81,7 @@ async def test_static_only_needs_no_loop() -> None:
     d = Discovery("tcp://127.0.0.1:7100,127.0.0.2:7100", resolver=dns)
     first = await d.start()
     assert first == Change(("tcp://127.0.0.1:7100", "tcp://127.0.0.2:7100"), ())
-    assert not d.dynamic and d._task is None and dns.calls == []
+    assert not d.dynamic and not d.polling and dns.calls == []
     await d.close()
 
 
@@ -170,11 +170,10 @@ async def test_loop_re_resolves_and_close_cancels_it() -> None:
     assert c == Change(("tcp://127.0.0.5:7100",), ())
     dns.records["w"] = OSError("resolver down")
     await asyncio.sleep(0.05)  # several failing rounds: the loop lives on
-    assert d._task is not None and not d._task.done()
+    assert d.polling
     assert d.addresses == ("tcp://127.0.0.1:7100", "tcp://127.0.0.5:7100")
-    task = d._task
     await d.close()
-    assert task.done() and d._task is None
+    assert not d.polling
     calls = len(dns.calls)
     await asyncio.sleep(0.05)
     assert len(dns.calls) == calls  # nothing resolves after close

@@ -70,6 +70,7 @@ async def test_agg_request_moves_to_a_survivor_with_no_gap_and_no_duplicate() ->
     assert rest[-1].finish_reason == "length" and rest[-1].rid == h.rid
     assert rest[-1].usage == Usage(3, 6)  # as if one worker had served it all
     await h.__aexit__(None, None, None)
+    await settle()  # (aborts leave at the end of the pass)
     assert w1.num_in_flight == 0 and aborts(workers, w1.address) == []
     assert metric(pool, "tandem_request_migrations_total") == 1
 
@@ -159,6 +160,7 @@ async def test_pd_prefill_lost_before_any_token_moves_too() -> None:
     assert g.prompt_ids == PROMPT and g.resume_offset == 0 and g.sampling.max_tokens == 6
     assert g.rid != h.rid and h.workers == (d.address, p1.address)
     await h.__aexit__(None, None, None)
+    await settle()  # (aborts leave at the end of the pass)
     assert aborts(workers, p1.address) == [g.rid]
 
 

@@ -54,8 +54,9 @@ def test_roundtrip():
 
 
 def test_each_socket_decodes_only_its_receivers_messages():
-    done = wire.encode(wire.KvDone(5, True, 7))
-    assert wire.TO_DECODE.decode(done) == wire.KvDone(5, True, 7)
+    msg = wire.KvDones([wire.KvDone(5, True, 7)])
+    done = wire.encode(msg)
+    assert wire.TO_DECODE.decode(done) == msg
     for dec in (wire.TO_WORKER, wire.TO_FRONTEND, wire.TO_PREFILL):
         with pytest.raises(wire.ProtocolError):
             dec.decode(done)

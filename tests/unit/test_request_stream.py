@@ -26,7 +26,9 @@ async def placed(pool: WorkerPool, ids: list[int] | None = None) -> RequestHandl
     return h
 
 
-def aborts(workers: MemoryWorkers, address: str) -> list[str]:
+async def aborts(workers: MemoryWorkers, address: str) -> list[str]:
+    """The rids aborted on a worker (Aborts leave at the end of a loop pass: this ends it)."""
+    await asyncio.sleep(0)
     return [rid for m in workers.sent(address) if isinstance(m, Abort) for rid in m.rids]
 
 
@@ -40,7 +42,7 @@ async def test_in_order_deltas_pass_merge_while_unread_and_finish_ends_iteration
         link.on_deltas(Deltas([Delta(h.rid, 3, [4], "length", Usage(1, 4))]))
         got = [(d.token_ids, d.finish_reason) async for d in deltas_of(h)]
     assert got == [([3, 4], "length")]  # the reader lagged: one merged delta
-    assert aborts(workers, link.address) == [] and link.num_in_flight == 0
+    assert await aborts(workers, link.address) == [] and link.num_in_flight == 0
 
 
 @pytest.mark.parametrize("second_offset", [1, 3])  # overlap, gap
@@ -53,7 +55,7 @@ async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset: int) -> Non
             assert (await next_delta(h.collector)).token_ids == [1, 2]  # what came before is kept
             await next_delta(h.collector)
     assert link.protocol_errors == 1
-    assert aborts(workers, link.address) == [h.rid]
+    assert await aborts(workers, link.address) == [h.rid]
 
 
 @pytest.mark.parametrize("kind", list(ErrorKind))
@@ -64,7 +66,7 @@ async def test_error_delta_reaches_the_reader_with_its_kind(kind: ErrorKind) -> 
         link.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="nope", error_kind=kind)]))
         got = [d async for d in deltas_of(h)]
     assert [(d.finish_reason, d.error_kind, d.error) for d in got] == [("error", kind, "nope")]
-    assert aborts(workers, link.address) == []  # the worker ended it itself
+    assert await aborts(workers, link.address) == []  # the worker ended it itself
 
 
 async def test_leaving_early_aborts_and_worker_loss_raises() -> None:
@@ -74,12 +76,12 @@ async def test_leaving_early_aborts_and_worker_loss_raises() -> None:
         link.on_deltas(Deltas([Delta(h.rid, 0, [1])]))
         async for _ in deltas_of(h):
             break
-    assert aborts(workers, link.address) == [h.rid] and link.num_in_flight == 0
+    assert await aborts(workers, link.address) == [h.rid] and link.num_in_flight == 0
     with pytest.raises(errors.WorkerLost):
         async with await placed(pool) as h2:
             link.on_disconnected()
             await next_delta(h2.collector)
-    assert aborts(workers, link.address) == [h.rid]  # nothing to abort on a lost worker
+    assert await aborts(workers, link.address) == [h.rid]  # nothing to abort on a lost worker
 
 
 async def test_pd_prefill_error_fails_the_request_and_aborts_decode() -> None:
@@ -94,7 +96,7 @@ async def test_pd_prefill_error_fails_the_request_and_aborts_decode() -> None:
     assert [(x.token_ids, x.finish_reason, x.error_kind) for x in got] == [
         ([5], "error", ErrorKind.KV_TRANSFER)]  # the text before the failure is kept
     assert "prefill failed: no room" in got[0].error
-    assert aborts(workers, d.address) == [h.rid] and aborts(workers, p.address) == []
+    assert await aborts(workers, d.address) == [h.rid] and await aborts(workers, p.address) == []
     assert p.num_in_flight == d.num_in_flight == 0
 
 
@@ -105,7 +107,7 @@ async def test_pd_lost_prefill_worker_fails_the_request_and_aborts_decode() -> N
         async with await placed(pool) as h:
             p.on_disconnected()
             await next_delta(h.collector)
-    assert aborts(workers, d.address) == [h.rid] and d.num_in_flight == 0
+    assert await aborts(workers, d.address) == [h.rid] and d.num_in_flight == 0
 
 
 async def test_pd_decode_failure_aborts_prefill() -> None:
@@ -115,7 +117,7 @@ async def test_pd_decode_failure_aborts_prefill() -> None:
         async with await placed(pool) as h:
             d.on_disconnected()
             await next_delta(h.collector)
-    assert aborts(workers, p.address) == [h.rid] and p.num_in_flight == 0
+    assert await aborts(workers, p.address) == [h.rid] and p.num_in_flight == 0
 
 
 async def test_pd_prefill_finishing_lets_decode_go_on() -> None:
@@ -126,7 +128,7 @@ async def test_pd_prefill_finishing_lets_decode_go_on() -> None:
         d.on_deltas(Deltas([Delta(h.rid, 0, [5, 6], "length", Usage(3, 2))]))
         got = [x.token_ids async for x in deltas_of(h)]
     assert got == [[5, 6]]
-    assert aborts(workers, p.address) == aborts(workers, d.address) == []
+    assert await aborts(workers, p.address) == await aborts(workers, d.address) == []
 
 
 # --- the link's own protocol ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import pytest
 
@@ -20,7 +21,9 @@ from tests.fakes import deltas_of, memory_pool
 
 PAGE = 4
 SP = SamplingParams(max_tokens=4)
-_log: dict[int, list[object]] = {}
+# What each worker end received so far, by the end itself (an id() could be reused by a later
+# test's channel once this one is collected, and hand it this one's messages).
+_log: weakref.WeakKeyDictionary[object, list[object]] = weakref.WeakKeyDictionary()
 
 
 def make_pool(roles: list[str], pages: int = 100, **router: object) -> WorkerPool:
@@ -31,7 +34,7 @@ def make_pool(roles: list[str], pages: int = 100, **router: object) -> WorkerPoo
 def sent(c: WorkerLink) -> list[object]:
     """Everything the frontend sent the worker of `c` so far, decoded as the worker would."""
     worker_end = c.channel.peer  # type: ignore[attr-defined]  # a MemoryChannel
-    log = _log.setdefault(id(worker_end), [])
+    log = _log.setdefault(worker_end, [])
     log += worker_end.received()
     return log
 
@@ -375,3 +378,21 @@ def test_a_worker_still_starting_is_reported_only_after_the_start_timeout(
     link.on_disconnected()  # it was up: now the heartbeat deadline applies
     said = run(5)
     assert len(said) == 1 and "for 3.5s" in said[0], said
+
+
+async def test_the_aborts_of_one_pass_leave_as_one_message_after_its_generates():
+    pool = make_pool(["agg"])
+    c = pool.links[0]
+    handles = [pool.open([i], SP) for i in (1, 2, 3)]
+    for h in handles:
+        await h.__aenter__()
+    await asyncio.sleep(0)  # the pass's Generates leave: one message
+    assert [type(m) for m in sent(c)] == [Generates]
+    for h in handles[:2]:  # two leave in one pass: one Abort naming both
+        await h.__aexit__(None, None, None)
+    assert [type(m) for m in sent(c)] == [Generates]  # (not before the pass ends)
+    await asyncio.sleep(0)
+    assert sent(c)[1:] == [Abort([handles[0].rid, handles[1].rid])]
+    await handles[2].__aexit__(None, None, None)
+    await asyncio.sleep(0)
+    assert sent(c)[2:] == [Abort([handles[2].rid])]

@@ -62,10 +62,10 @@ def test_delta_logprobs_and_kvdone_first_logprobs_round_trip() -> None:
     assert isinstance(got, W.Deltas) and got.items[0] == d and got.items[1].logprobs is None
     assert got.items[0].logprobs is not None and got.items[0].logprobs[0].top == [(7, 0.0),
                                                                                 (8, -0.5)]
-    done = W.KvDone(9, True, 42, first_logprobs=lp(42))
+    done = W.KvDones([W.KvDone(9, True, 42, first_logprobs=lp(42))])
     payload = W.encode(done)
     assert W.TO_DECODE.decode(payload) == done
-    plain = W.KvDone(9, True, 42)
+    plain = W.KvDones([W.KvDone(9, True, 42)])
     assert W.TO_DECODE.decode(W.encode(plain)) == plain
 
 

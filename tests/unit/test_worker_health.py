@@ -145,9 +145,9 @@ async def test_close_ends_open_connections_and_frees_the_port() -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /live HTTP/1.1\r\n")  # half a request: the handler waits
     await writer.drain()
-    await until(lambda: len(srv._conns) == 1)  # the handler took it
+    await until(lambda: srv.num_connections == 1)  # the handler took it
     await asyncio.wait_for(srv.close(), 2.0)  # does not wait out the 30 s read deadline
-    assert srv._conns == set() and not srv.serving
+    assert srv.num_connections == 0 and not srv.serving
     assert await asyncio.wait_for(reader.read(), 2.0) == b""  # our connection was closed
     writer.close()
     with pytest.raises(OSError):
@@ -169,4 +169,4 @@ async def test_many_concurrent_probes() -> None:
     async with HealthServer(lambda: (True, "")) as srv:
         results = await asyncio.gather(*(exchange(srv.port, get("/health")) for _ in range(50)))
         assert [r[0] for r in results] == [200] * 50
-        await until(lambda: srv._conns == set())  # each handler ends once it has answered
+        await until(lambda: srv.num_connections == 0)  # each handler ends once it has answered

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from tandem.engines.base import (
     Engine, EngineError, EngineOutput, EngineRequest, EngineRequestError, OutputSink,
 )
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import FinishReason, Load
 
 log = logging.getLogger("tandem.engines.iterator")
@@ -74,9 +75,8 @@ class IteratorEngine(Engine, abc.ABC):
     def __init__(self) -> None:
         self._live: dict[str, IteratorHandle] = {}  # rid -> handle, until its task ends
         self._tasks: set[asyncio.Task[None]] = set()  # every task not yet finished
-        # id(sink) -> (sink, [(handle, output)]): what this loop pass produced, not yet delivered
-        self._pending: dict[int, tuple[OutputSink, list[tuple[IteratorHandle, EngineOutput]]]] = {}
-        self._flush_scheduled = False
+        # This loop pass's outputs: each sink gets its own in one on_step at the pass's end.
+        self._pending: PassBatcher[tuple[IteratorHandle, EngineOutput]] = PassBatcher(self._flush)
         self._closed_reason = ""  # non-empty: submit raises EngineError with it
         self._started = False
         self._running = 0  # live requests that produced output (the rest wait)
@@ -129,6 +129,16 @@ class IteratorEngine(Engine, abc.ABC):
         return Load(running=self._running, waiting=len(self._live) - self._running,
                     pages_free=free, pages_total=self.num_pages)
 
+    @property
+    def num_tasks(self) -> int:
+        """Tasks not yet finished (one per request in flight): 0 when idle, or nothing leaked."""
+        return len(self._tasks)
+
+    @property
+    def num_undelivered(self) -> int:
+        """Outputs produced in this loop pass, delivered at its end."""
+        return len(self._pending)
+
     async def shutdown(self) -> None:
         """End every live request with an "abort" output (delivered before this returns), cancel
         and await every task; refuse new work. Safe twice and after a partial start."""
@@ -137,8 +147,7 @@ class IteratorEngine(Engine, abc.ABC):
             if not handle.done:
                 self._emit(handle, self._final(handle, "abort", None))
             self._cancel_task(handle)
-        if self._pending:
-            self._flush()
+        self._pending.flush_now()
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -209,24 +218,19 @@ class IteratorEngine(Engine, abc.ABC):
             handle.last_ids = out.output_ids
         if out.finish_reason is not None:
             handle.done = True
-        key = id(handle.sink)
-        batch = self._pending.get(key)
-        if batch is None:
-            self._pending[key] = (handle.sink, [(handle, out)])
-        else:
-            batch[1].append((handle, out))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.add((handle, out))
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending = self._pending, {}
-        for sink, pairs in pending.values():
-            if not pairs:
-                continue
+    def _flush(self, pending: list[tuple[IteratorHandle, EngineOutput]]) -> None:
+        per_sink: dict[int, tuple[OutputSink, list[EngineOutput]]] = {}
+        for handle, out in pending:
+            batch = per_sink.get(id(handle.sink))
+            if batch is None:
+                per_sink[id(handle.sink)] = (handle.sink, [out])
+            else:
+                batch[1].append(out)
+        for sink, outs in per_sink.values():
             try:
-                sink.on_step([out for _, out in pairs])
+                sink.on_step(outs)
             except Exception:  # a sink's bug must not starve the other sinks
                 log.exception("%s engine: a sink failed on_step", self.name)
 
@@ -234,9 +238,7 @@ class IteratorEngine(Engine, abc.ABC):
         if handle.done and handle.task is not None and handle.task.done():
             return
         handle.done = True
-        batch = self._pending.get(id(handle.sink))
-        if batch is not None:
-            batch[1][:] = [pair for pair in batch[1] if pair[0] is not handle]
+        self._pending.remove_if(lambda pair: pair[0] is handle)
         self._cancel_task(handle)
 
     def _cancel_task(self, handle: IteratorHandle) -> None:

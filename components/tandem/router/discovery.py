@@ -227,6 +227,11 @@ class Discovery:
         """True when some entry is a DNS name (so the set can change after start)."""
         return bool(self._names)
 
+    @property
+    def polling(self) -> bool:
+        """Whether DNS names are being re-resolved in the background (started, not closed)."""
+        return self._task is not None and not self._task.done()
+
     def failures(self, target: WorkerTarget) -> int:
         """Consecutive failed resolutions of a DNS target (0 once it resolves again)."""
         return self._names[target].failures

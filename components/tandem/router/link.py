@@ -12,16 +12,18 @@ The link owns the protocol with one worker and nothing else:
   frontend's loop was blocked), the lateness is not counted against the worker;
 - requests: the legs placed on it (tandem.router.request), routed their deltas; the Generates of the
   legs placed during one event loop pass leave as ONE `Generates` message, and a leg placed and
-  ended within that pass never leaves at all;
+  ended within that pass never leaves at all; the legs it must abort in a pass leave as one `Abort`
+  (tandem.runtime.passes);
 - credit: after the deltas of each `Deltas` message were handed to their requests, one `Credit` per
   loop pass tells the worker how many messages it may send on (its outbox window);
 - accounting (tandem.router.accounting): what each leg adds to the worker's counts;
 - load: the last load report, and `query_load()` with a deadline.
 
 Inputs are plain calls (`on_message`, `on_disconnected`, `tick`, `start`, `end`), time comes from an
-injected `clock`, and "later in this loop pass" from an injected `defer`, so tests drive the link
+injected `clock`, and "the end of this loop pass" from an injected `defer`, so tests drive the link
 through a MemoryChannel without sockets or sleeps. `connect()` starts the three tasks that feed it
 from the channel (receive, heartbeat, disconnects), supervised: if one dies, the process goes down.
+A message the link fails on is dropped and counted (tandem.runtime.channel.serve), as on a worker.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from collections.abc import Callable
 from tandem.router.accounting import FailureStreak, WorkerAccount
 from tandem.router.request import Leg
 from tandem.runtime import errors, wire
-from tandem.runtime.channel import Channel, ChannelFull
+from tandem.runtime.channel import Channel, ChannelFull, serve
 from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LOAD_QUERY_TIMEOUT_S
-from tandem.runtime.lifecycle import TaskGroup, running_loop
+from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import (Abort, Credit, Deltas, ErrorKind, Generate, Generates, Hello,
                                  HelloReply, Load, LoadQuery, LoadReport, WorkerInfo)
 
@@ -51,14 +54,10 @@ def _nothing() -> None:
     pass
 
 
-def _call_soon(callback: Callable[[], None]) -> None:
-    running_loop().call_soon(callback)
-
-
 class WorkerLink:
     def __init__(self, address: str, frontend_id: str, channel: WorkerChannel, *,
                  clock: Callable[[], float] = time.monotonic,
-                 defer: Callable[[Callable[[], None]], None] = _call_soon,
+                 defer: Callable[[Callable[[], None]], None] | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_deadline_s: float = HEARTBEAT_DEADLINE_S,
                  start_timeout_s: float | None = None,
@@ -67,7 +66,6 @@ class WorkerLink:
         self.frontend_id = frontend_id
         self.channel = channel
         self.clock = clock
-        self.defer = defer
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_deadline_s = heartbeat_deadline_s
         # How long a worker that never answered may take to start before it is called unreachable
@@ -85,8 +83,11 @@ class WorkerLink:
         self.protocol_errors = 0  # deltas refused for a gap or an overlap
         self.last_seen = 0.0
         self._asking_since: float | None = None  # handshake unanswered since (said once)
-        self._placed: dict[str, Generate] = {}  # placed in this loop pass, not yet sent
-        self._credit = 0  # Deltas messages handed to their requests, not yet credited back
+        # This loop pass's: legs placed (not yet sent), legs to abort, Deltas messages handed to
+        # their requests (to credit back).
+        self._placed: PassBatcher[tuple[Leg, Generate]] = PassBatcher(self._send_placed, defer)
+        self._aborts: PassBatcher[str] = PassBatcher(self._send_aborts, defer)
+        self._credits: PassBatcher[None] = PassBatcher(self._give_credit, defer)
         self._seq = itertools.count(1)
         self._queries: dict[int, asyncio.Future[Load]] = {}
         self._up = asyncio.Event()
@@ -129,8 +130,7 @@ class WorkerLink:
         self.channel.close()
 
     async def _receive(self) -> None:
-        async for msg in self.channel:
-            self.on_message(msg)
+        await serve(self.channel, self.on_message, "frontend", log)
 
     async def _heartbeat(self) -> None:
         late = 0.0
@@ -197,9 +197,7 @@ class WorkerLink:
                     self.streak.served()
                 elif d.error_kind in (ErrorKind.ENGINE, ErrorKind.KV_TRANSFER):
                     self.streak.failed(self.clock())
-        if not self._credit:  # once per loop pass, after the requests took these deltas
-            self.defer(self._give_credit)
-        self._credit += 1
+        self._credits.add(None)  # credited at the pass's end, after the requests took them
         self.on_capacity()
 
     def on_load(self, msg: LoadReport) -> None:
@@ -231,9 +229,7 @@ class WorkerLink:
         """Place a leg here; its Generate leaves with the others of this loop pass."""
         if not self.usable:
             raise errors.Unavailable(f"worker {self.address} is {self.state}", retry_after=1.0)
-        if not self._placed:
-            self.defer(self.flush)
-        self._placed[leg.rid] = msg
+        self._placed.add((leg, msg))
         self.legs[leg.rid] = leg
         role = self.info.role if self.info is not None else "agg"
         self.account.open(leg, role, len(msg.prompt_ids))
@@ -244,26 +240,27 @@ class WorkerLink:
             return
         del self.legs[leg.rid]
         self.account.close(leg)
-        if self._placed.pop(leg.rid, None) is not None:
+        if self._placed.remove_if(lambda item: item[0] is leg):
             abort = False  # it never left: nothing to abort
         if abort and self.state == "up":
-            self._send_quietly(Abort([leg.rid]))
+            self._aborts.add(leg.rid)
         self.on_capacity()
 
-    def flush(self) -> None:
+    def _send_placed(self, placed: list[tuple[Leg, Generate]]) -> None:
         """Send what was placed in this loop pass, as one message."""
-        placed, self._placed = self._placed, {}
-        if not placed:
-            return
         try:
-            self._send(Generates(list(placed.values())))
+            self._send(Generates([msg for _, msg in placed]))
         except errors.Unavailable as e:  # past the high-water mark: the worker is not reading
-            for rid in placed:
-                leg = self.legs.pop(rid, None)
-                if leg is not None:
+            for leg, _ in placed:
+                if self.legs.get(leg.rid) is leg:
+                    del self.legs[leg.rid]
                     self.account.close(leg)
                     leg.on_lost(e)
             self.on_capacity()
+
+    def _send_aborts(self, rids: list[str]) -> None:
+        if self.state == "up":
+            self._send_quietly(Abort(rids))
 
     async def query_load(self) -> Load:
         """Ask the worker for its load now (with a deadline); the last known on timeout."""
@@ -296,12 +293,12 @@ class WorkerLink:
         except errors.Unavailable:
             pass
 
-    def _give_credit(self) -> None:
-        n, self._credit = self._credit, 0
-        self._send_quietly(Credit(n))
+    def _give_credit(self, messages: list[None]) -> None:
+        self._send_quietly(Credit(len(messages)))
 
     def _fail_all(self, err: errors.TandemError) -> None:
         self._placed.clear()
+        self._aborts.clear()
         legs, self.legs = self.legs, {}
         for leg in legs.values():
             self.account.close(leg)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -48,9 +48,20 @@ from tandem.runtime.wire import Bootstrap, Delta, ErrorKind, Generate, SamplingP
 
 if TYPE_CHECKING:
     from tandem.config import RouterConfig
-    from tandem.router.link import WorkerLink
 
 log = logging.getLogger("tandem.router")
+
+
+class WorkerLink(Protocol):
+    """What a request needs of the link to a worker its legs are placed on (tandem.router.link's
+    WorkerLink, which imports this module: the dependency goes one way)."""
+
+    address: str
+    protocol_errors: int
+
+    def start(self, leg: Leg, msg: Generate) -> None: ...
+
+    def end(self, leg: Leg, abort: bool) -> None: ...
 
 
 class DeadlineExceeded(errors.TandemError):

@@ -14,10 +14,10 @@ failed send means); nothing here does I/O of its own.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import Delta, Deltas, Load
 from tandem.worker.outbox import Outbox
 
@@ -43,7 +43,7 @@ class Frontends:
         self.window, self.batch = window, batch
         self._send, self._load = send, load
         self._links: dict[bytes, FrontendLink] = {}
-        self._flush_scheduled = False
+        self._due: PassBatcher[FrontendLink] = PassBatcher(self._flush_due)  # this pass's
 
     def __contains__(self, ident: bytes) -> bool:
         return ident in self._links
@@ -83,15 +83,22 @@ class Frontends:
             link = self._links[ident] = FrontendLink(ident, Outbox(self.window, self.batch))
         box = link.outbox
         box.add_all(deltas)
-        if not self._flush_scheduled and (box.in_flight < box.window or box.has_first):
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        if box.in_flight < box.window or box.has_first:
+            self._due.add(link)
+
+    def _flush_due(self, links: list[FrontendLink]) -> None:
+        self._flush(dict.fromkeys(links), force=False)
 
     def flush(self, force: bool = False) -> None:
         """Send what each frontend's window allows (`force`: everything, past the window)."""
-        self._flush_scheduled = False
+        self._flush(list(self._links.values()), force)
+
+    def _flush(self, links: Iterable[FrontendLink], force: bool) -> None:
         load: Load | None = None  # the engine's load, once per flush (it changes per step)
-        for ident, link in list(self._links.items()):
+        for link in links:
+            ident = link.ident
+            if self._links.get(ident) is not link:
+                continue  # dropped since
             box = link.outbox
             if force and len(box):
                 items = box.take(everything=True)

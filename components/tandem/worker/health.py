@@ -56,6 +56,11 @@ class HealthServer:
         return self._port
 
     @property
+    def num_connections(self) -> int:
+        """Connections being handled now."""
+        return len(self._conns)
+
+    @property
     def serving(self) -> bool:
         return self._server is not None
 

@@ -1,8 +1,9 @@
 """WorkerServer: one engine served to any number of frontends over a ZMQ ROUTER socket
 (ARCHITECTURE.md, "Worker").
 
-It owns the receive loop (one typed decoder: wire.TO_WORKER), the dispatch of what frontends
-send, and the request registry. Every request goes to `engine.submit(req, self)`: the server is
+It is written against a `RouterChannel` (tandem.runtime.channel: a ZMQ ROUTER bound at the
+worker's address, decoding wire.TO_WORKER, or a MemoryRouter in tests) and owns the dispatch of
+what frontends send (through the one receive loop, `channel.serve`) and the request registry. Every request goes to `engine.submit(req, self)`: the server is
 the engine's one output sink, and `on_step(outputs)` is the worker's one loop over engine outputs:
 each output becomes a delta (tandem.worker.deltas.DeltaMaker, one per request) for the frontend
 that sent the request (tandem.worker.frontends: outboxes, credit, flushing). A failed request's
@@ -29,11 +30,11 @@ import contextlib
 import logging
 
 import msgspec
-import zmq
 
 from tandem.config import WorkerConfig
 from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Handle
 from tandem.runtime import transport, wire
+from tandem.runtime.channel import ChannelFull, RouterChannel, ZmqRouterChannel, serve
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
     OutputMode,
@@ -68,8 +69,14 @@ class _Request(DeltaMaker):
         self.ident, self.handle = ident, handle
 
 
+FrontendsChannel = RouterChannel[wire.Message, wire.ToWorker]
+
+
 class WorkerServer:
-    def __init__(self, cfg: WorkerConfig, engine: Engine, info: WorkerInfo) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, info: WorkerInfo,
+                 channel: FrontendsChannel | None = None) -> None:
+        """`channel`: where frontends reach it; by default `run` binds a ZMQ ROUTER at
+        `address`."""
         self.cfg = cfg
         self.engine = engine
         self.info = info
@@ -77,7 +84,7 @@ class WorkerServer:
         spec = getattr(engine, "spec", None)
         self.limits = Limits(getattr(spec, "vocab_size", 0) or 0,
                              getattr(spec, "max_context", 0) or 0)
-        self._sock: transport.Socket | None = None
+        self._channel = channel
         self._requests: dict[str, _Request] = {}
         self._draining = False
         self._progress = asyncio.Event()  # while draining: a request ended or a delta left
@@ -94,7 +101,7 @@ class WorkerServer:
     @property
     def ready(self) -> bool:
         """Serving and taking work (bound, not draining)."""
-        return self._sock is not None and not self._draining
+        return self._channel is not None and not self._draining
 
     @property
     def draining(self) -> bool:
@@ -106,11 +113,13 @@ class WorkerServer:
         return msgspec.structs.replace(load, draining=True) if self._draining else load
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._sock = transport.router(self.address)
+        if self._channel is None:
+            self._channel = ZmqRouterChannel(self.address, wire.TO_WORKER, log)
+        channel = self._channel
         log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
                  self.info.engine, self.address)
         tasks = TaskGroup(supervised=True)  # without these the worker is useless: a death is fatal
-        tasks.spawn(self._recv_loop(), name="worker-recv")
+        tasks.spawn(serve(channel, self.dispatch, "worker", log), name="worker-recv")
         tasks.spawn(self._reap_silent_frontends(), name="worker-reaper")
         try:
             await stop.wait()
@@ -120,7 +129,7 @@ class WorkerServer:
             for rid in list(self._requests):  # (drain did this unless it was cut short)
                 self._end(rid, ErrorKind.DRAINING, "the worker shut down")
             self.frontends.flush(force=True)  # the last words, past the window
-            self._sock.close(linger=1000)  # ms for those last words to leave
+            channel.close(linger_s=1.0)  # for those last words to leave
 
     async def drain(self, timeout: float) -> None:
         """Take no new work; give in-flight requests (and their undelivered deltas) `timeout`
@@ -191,16 +200,9 @@ class WorkerServer:
                                                error_kind=kind))
 
     # --- receiving --------------------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        async for ident, msg in transport.router_messages(self._sock, wire.TO_WORKER, log):
-            try:
-                self._dispatch(ident, msg)
-            except Exception as e:  # a handler that fails on some input drops only that message
-                transport.refused("worker", f"handler failed on {type(msg).__name__}", log,
-                                  repr(e))
-
-    def _dispatch(self, ident: bytes, msg: wire.ToWorker) -> None:
+    def dispatch(self, item: tuple[bytes, wire.ToWorker]) -> None:
+        """One message from a frontend (identity, message): the receive loop's handler."""
+        ident, msg = item
         self.frontends.heard(ident)
         if isinstance(msg, Credit):
             self._on_credit(ident, msg.n)
@@ -272,10 +274,10 @@ class WorkerServer:
 
     # --- sending ----------------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: wire.Message) -> None:
-        assert self._sock is not None
+        assert self._channel is not None
         try:
-            transport.send_nowait(self._sock, msg, ident)
-        except zmq.ZMQError as e:
+            self._channel.send_nowait(ident, msg)
+        except ChannelFull as e:
             # The frontend is gone (EHOSTUNREACH) or not reading (EAGAIN past the HWM): its
             # requests cannot be delivered, so stop them and free their pages.
             transport.refused("worker", "frontend unreachable; its requests cancelled", log,

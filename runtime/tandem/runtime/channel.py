@@ -1,17 +1,26 @@
-"""Channel: a message pipe to one peer, the seam between protocol code and sockets.
+"""Channels: the seam between protocol code and sockets.
 
-A `Channel[S, R]` sends messages of type S without awaiting (`send_nowait`; past its bound it
+A `Channel[S, R]` is a message pipe to one peer (a DEALER's end). It sends messages of type S without awaiting (`send_nowait`; past its bound it
 raises `ChannelFull` rather than grow), yields the messages it receives (async iteration, each
 already decoded against the receiver's schema), says whether received messages are waiting unread
 (`unread()`: the reader is behind, the peer is not silent), and reports each time the connection to
 the peer drops (`disconnects()`).
 
-- `ZmqChannel`: a frontend's DEALER socket to one worker (tandem.runtime.transport: high-water
-  marks, fair receive, bad frames dropped and counted).
-- `MemoryChannel`: one end of an in-memory pair (`memory_pair()`), for tests: optionally through
-  the wire encoding, with a bound, and a `disconnect()` to simulate a dropped connection.
+A `RouterChannel[S, R]` is the other end, that many peers connect to (a ROUTER's): it yields
+`(identity, message)` and sends `send_nowait(identity, msg)`; a peer that is gone or not reading
+raises `ChannelFull` there.
 
-Protocol code (the router's WorkerLink) is written against `Channel` only, so it is tested without
+- `ZmqChannel`: a DEALER socket to one peer; `ZmqRouterChannel`: a bound ROUTER socket
+  (tandem.runtime.transport: high-water marks, fair receive, bad frames dropped and counted).
+- `MemoryChannel`: one end of an in-memory pair (`memory_pair()`), and `MemoryRouter`, whose
+  `connect(identity)` gives a peer's MemoryChannel: for tests, optionally through the wire
+  encoding, with a bound, and a `disconnect()` to simulate a dropped connection.
+
+`serve(messages, handle, socket, log)` is the one receive loop: each message goes to its handler;
+a handler that fails on some input drops only that message (counted in
+`transport.protocol_errors` as refused). All four protocol ends are written against channels: the
+frontend's worker link (tandem.router.link), the worker's server (tandem.worker.server), and the
+prefill and decode sides of the KV bootstrap (tandem.kv.bootstrap); so each is tested without
 sockets (ARCHITECTURE.md, "Contracts").
 """
 
@@ -20,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
@@ -34,7 +43,7 @@ U = TypeVar("U")
 
 
 class ChannelFull(Exception):
-    """The peer is not reading: the channel's bound is reached."""
+    """The peer is not reading (the channel's bound is reached), or it is gone."""
 
 
 class Channel(Protocol[S, R]):
@@ -50,6 +59,30 @@ class Channel(Protocol[S, R]):
     def disconnects(self) -> AsyncIterator[None]: ...
 
     def close(self) -> None: ...
+
+
+class RouterChannel(Protocol[S, R]):
+    @property
+    def closed(self) -> bool: ...
+
+    def send_nowait(self, ident: bytes, msg: S) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[tuple[bytes, R]]: ...
+
+    def close(self, linger_s: float = 0.0) -> None: ...
+
+
+async def serve(messages: AsyncIterable[T], handle: Callable[[T], None], socket: str,
+                log: logging.Logger) -> None:
+    """Hand each message to `handle` until the channel closes. Nothing a peer sends ends the
+    loop: a handler that fails on some input drops that one message, counted and logged as
+    refused (socket, "handler failed on <type>")."""
+    async for msg in messages:
+        try:
+            handle(msg)
+        except Exception as e:
+            m: Any = msg[1] if isinstance(msg, tuple) else msg
+            transport.refused(socket, f"handler failed on {type(m).__name__}", log, repr(e))
 
 
 class ZmqChannel(Generic[T, U]):
@@ -91,6 +124,36 @@ class ZmqChannel(Generic[T, U]):
         transport.close(self._sock)
 
 
+class ZmqRouterChannel(Generic[T, U]):
+    """A ROUTER socket bound at `address`, receiving with `decoder`."""
+
+    def __init__(self, address: str, decoder: wire.Decoder[U], log: logging.Logger) -> None:
+        self.address = address
+        self._sock = transport.router(address)
+        self._decoder = decoder
+        self._log = log
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._sock.closed)
+
+    def send_nowait(self, ident: bytes, msg: T) -> None:
+        """Gone (EHOSTUNREACH), not reading (EAGAIN past the high-water mark) or closed: all
+        `ChannelFull`, with ZMQ's reason."""
+        try:
+            transport.send_nowait(self._sock, msg, ident)  # type: ignore[arg-type]
+        except zmq.ZMQError as e:
+            raise ChannelFull(str(e)) from None
+
+    def __aiter__(self) -> AsyncIterator[tuple[bytes, U]]:
+        return transport.router_messages(self._sock, self._decoder, self._log)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; what is queued gets `linger_s` seconds to leave."""
+        if not self._sock.closed:
+            self._sock.close(linger=int(linger_s * 1000))
+
+
 class MemoryChannel(Generic[T, U]):
     """One end of an in-memory pair. What one end sends the other receives, in order."""
 
@@ -112,13 +175,18 @@ class MemoryChannel(Generic[T, U]):
         assert peer is not None
         if self._closed:
             raise ChannelFull("closed")
-        if len(peer._inbox) >= self.bound:
+        if len(peer) >= self.bound:
             raise ChannelFull("memory channel full")
         if self._wire is not None:
             msg = self._wire.decode(wire.encode(msg))  # type: ignore[arg-type]
-        peer._deliver(msg)
+        peer.deliver(msg)
 
-    def _deliver(self, msg: U) -> None:
+    def __len__(self) -> int:
+        """Messages received, not yet read."""
+        return len(self._inbox)
+
+    def deliver(self, msg: U) -> None:
+        """Receive `msg` (what the peer's send does)."""
         self._inbox.append(msg)
         w = self._waiter
         if w is not None and not w.done():
@@ -150,13 +218,85 @@ class MemoryChannel(Generic[T, U]):
         """Simulate a dropped connection: both ends report it."""
         self._drops.put_nowait(None)
         if self.peer is not None:
-            self.peer._drops.put_nowait(None)
+            self.peer.dropped()
+
+    def dropped(self) -> None:
+        """The connection dropped (what the peer's `disconnect` does here)."""
+        self._drops.put_nowait(None)
 
     def close(self) -> None:
         self._closed = True
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+
+class MemoryRouter(Generic[T, U]):
+    """A ROUTER's end in memory: `connect(identity)` gives a peer's end (a MemoryChannel whose
+    sends arrive here as (identity, message)). With `decoders` = (the router's, the peers'),
+    every message crosses the wire encoding."""
+
+    def __init__(self, bound: int = 100_000,
+                 decoders: tuple[wire.Decoder[Any], wire.Decoder[Any]] | None = None) -> None:
+        self.bound = bound
+        self._decoders = decoders
+        self._inbox: MemoryChannel[Any, tuple[bytes, U]] = MemoryChannel(bound, None)
+        self.peers: dict[bytes, _Peer[Any, Any]] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._inbox.closed
+
+    def connect(self, ident: bytes) -> MemoryChannel[U, T]:
+        """A new peer known as `ident` (a reconnection replaces the old one)."""
+        d = self._decoders
+        peer: _Peer[U, T] = _Peer(self, ident, self.bound, d[0] if d else None,
+                                  d[1] if d else None)
+        self.peers[ident] = peer
+        return peer
+
+    def send_nowait(self, ident: bytes, msg: T) -> None:
+        peer = self.peers.get(ident)
+        if peer is None or peer.closed or self.closed:
+            raise ChannelFull(f"peer {ident!r} is gone")
+        peer.receive(msg)
+
+    def arrive(self, ident: bytes, msg: Any) -> None:
+        """A message from peer `ident` (what its send does)."""
+        if len(self._inbox) >= self.bound:
+            raise ChannelFull("memory channel full")
+        self._inbox.deliver((ident, msg))
+
+    def __aiter__(self) -> AsyncIterator[tuple[bytes, U]]:
+        return self._inbox.__aiter__()
+
+    def close(self, linger_s: float = 0.0) -> None:
+        self._inbox.close()
+
+
+class _Peer(MemoryChannel[T, U]):
+    """A peer's end of a MemoryRouter: what it sends arrives there with its identity."""
+
+    def __init__(self, router: MemoryRouter[Any, Any], ident: bytes, bound: int,
+                 router_wire: wire.Decoder[Any] | None,
+                 own_wire: wire.Decoder[Any] | None) -> None:
+        super().__init__(bound, router_wire)
+        self._router, self._ident, self._own_wire = router, ident, own_wire
+
+    def send_nowait(self, msg: T) -> None:
+        if self._closed:
+            raise ChannelFull("closed")
+        if self._wire is not None:
+            msg = self._wire.decode(wire.encode(msg))  # type: ignore[arg-type]
+        self._router.arrive(self._ident, msg)
+
+    def receive(self, msg: Any) -> None:
+        """What the router sends this peer."""
+        if len(self) >= self.bound:
+            raise ChannelFull("memory channel full")
+        if self._own_wire is not None:
+            msg = self._own_wire.decode(wire.encode(msg))
+        self.deliver(msg)
 
 
 def memory_pair(bound: int = 100_000, decoders: tuple[wire.Decoder[Any], wire.Decoder[Any]]

@@ -91,6 +91,15 @@ def context() -> zmq.Context:
     return ctx
 
 
+def forget_context() -> zmq.Context | None:
+    """Forget the process's context and return it (None if there was none); the next socket
+    makes a new one. Its sockets, and destroying it, are the caller's: after a fork, or between
+    the tests of one process."""
+    global _ctx, _actx
+    ctx, _ctx, _actx = _ctx, None, None
+    return ctx
+
+
 def use_keys(keys: auth.ClusterKeys | None) -> None:
     """Authenticate every socket this process makes from now on with the cluster keys
     (tandem.runtime.auth); None = loopback only (binding elsewhere is refused)."""
@@ -260,7 +269,7 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
                     frames: int) -> AsyncGenerator[tuple[list[bytes], M], None]:
     """Every message with `frames` frames (the last: the payload), fairly: bad ones are
     counted, logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages.
-    Ends with ZMQError (ENOTSOCK) once the socket is closed."""
+    Ends once the socket is closed."""
     _watch(sock)
     loop = asyncio.get_running_loop()
     try:
@@ -272,6 +281,8 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
             try:
                 parts = _recv(sock)
             except zmq.Again:
+                if sock.closed:
+                    return
                 if _events(sock) & _POLLIN:  # (a message came since)
                     continue
                 sock.waiter = loop.create_future()
@@ -280,6 +291,10 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
                 finally:
                     sock.waiter = None
                 continue
+            except zmq.ZMQError:
+                if sock.closed:
+                    return
+                raise
             try:
                 if len(parts) != frames:
                     raise wire.ProtocolError(

@@ -23,7 +23,9 @@ import msgspec
 # constrained output in SamplingParams, logprobs on deltas and KvDone (a version-3 peer would drop
 # them silently: the handshake refuses it instead). 5: KvRooms and KvDones (a bootstrap socket's
 # messages of one loop pass, in one). 6: no type frame before the payload (its tag is inside).
-PROTOCOL_VERSION = 6
+# 7: one form per batched message: KvRooms, KvDones and KvCancel always carry a list (a lone
+# KvRoom or KvDone no longer travels on its own).
+PROTOCOL_VERSION = 7
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -255,17 +257,17 @@ class KvHello(Message, tag=16):
     layout: KvLayout
 
 
-class KvRoom(Message, tag=18):
-    """Write the KV of `room`'s prompt into these pages of mine."""
+class KvRoom(_Msg):
+    """Write the KV of `room`'s prompt into these pages of mine (an item of `KvRooms`)."""
 
     room: int
     pages: list[int]
 
 
 class KvCancel(Message, tag=19):
-    """The room's request was aborted on the decode side."""
+    """These rooms' requests were aborted on the decode side (those of one loop pass)."""
 
-    room: int
+    rooms: list[int]
 
 
 # --- to a decode worker's bootstrap connection (from a prefill worker) ----------------------------
@@ -277,8 +279,8 @@ class KvHelloReply(Message, tag=17):
     error: str = ""
 
 
-class KvDone(Message, tag=20):
-    """The room's KV is in place (ok) with the first sampled token (and its logprobs, when the
+class KvDone(_Msg):
+    """(An item of `KvDones`.) The room's KV is in place (ok) with the first sampled token (and its logprobs, when the
     request asked for them), or not."""
 
     room: int
@@ -290,6 +292,8 @@ class KvDone(Message, tag=20):
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]
 ToFrontend = Union[HelloReply, Deltas, LoadReport]
+
+
 class KvRooms(Message, tag=21):
     """The rooms a decode worker asked one prefill worker for in one event loop pass, in order."""
 
@@ -302,8 +306,8 @@ class KvDones(Message, tag=22):
     items: list[KvDone]
 
 
-ToPrefill = Union[KvHello, KvRoom, KvRooms, KvCancel]
-ToDecode = Union[KvHelloReply, KvDone, KvDones]
+ToPrefill = Union[KvHello, KvRooms, KvCancel]
+ToDecode = Union[KvHelloReply, KvDones]
 
 
 class ProtocolError(Exception):

@@ -8,33 +8,35 @@ Per request (`room`) the decode side reserves pages and sends `KvRoom(room, page
 side computes the prompt's KV, WRITEs it into those pages with the mover (NIXL, or a simulation
 for the mock engine), and answers `KvDone(room, ok, first_token)` — only after its write has
 ended, so a `KvDone` of either kind means no more bytes will land in those pages. Each side sends
-what one loop pass produced for one peer as one message (`KvRooms`, `KvDones`; a lone one as
-itself), in order: a burst of requests costs a few ZMQ sends, not one or two per request.
+what one loop pass produced for one peer as one message (`KvRooms`, `KvDones`, `KvCancel`: each
+always a list, tandem.runtime.passes): a burst of requests costs a few ZMQ sends, not one or two per
+request. Both sides are written against channels (tandem.runtime.channel): a decode side's
+connection to a prefill side is a `Channel` (a ZMQ DEALER by default; `connect` gives another).
 
 Page safety on the decode side: `DecodeSide.fetch` owns the reserved pages until it returns the
 first token. On any failure (timeout, cancellation, prefill gone) it calls `release()` exactly once
 when the pages are safe to reuse: at once if the prefill side said done or died, otherwise after
 the prefill side's transfer deadline has passed — a late write can never land in reused pages.
-A connection's receive loop that fails anyway retires that connection (new requests reconnect;
-its rooms end by their deadlines, pages quarantined as above), never the decode worker.
+What a prefill side sends is handled message by message (tandem.runtime.channel.serve): a reply a
+handler fails on is dropped and counted, never the connection or the decode worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-
 from tandem.kv.transfer.movers import KvMover
 from tandem.kv.bootstrap.checks import NO_HELLO
 from tandem.kv.bootstrap.prefill import Destination, PrefillSide, batches
-from tandem.runtime import wire, transport
+from tandem.runtime import wire
+from tandem.runtime.channel import Channel, ChannelFull, ZmqChannel, serve
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import (
     Bootstrap,
     KvCancel,
@@ -54,6 +56,14 @@ QUARANTINE_GRACE_S = 2.0
 
 __all__ = ["DecodeSide", "Destination", "KvHandoffError", "PrefillSide", "QUARANTINE_GRACE_S"]
 
+PrefillChannel = Channel[wire.Message, wire.ToDecode]
+Connect = Callable[[str, bytes], PrefillChannel]  # (host:port, identity) -> a connected channel
+
+
+def zmq_connect(address: str, identity: bytes) -> PrefillChannel:
+    """A DEALER to a prefill side's bootstrap socket."""
+    return ZmqChannel(f"tcp://{address}", identity, wire.TO_DECODE, log)
+
 
 # --- decode side ----------------------------------------------------------------------------------
 
@@ -67,20 +77,21 @@ class _Pending:
 @dataclass(eq=False)
 class _Conn:
     address: str
-    sock: transport.Socket
+    channel: PrefillChannel
     hello: asyncio.Future[KvHelloReply]
+    out: PassBatcher[KvRoom | int] = field(init=False)  # this pass's rooms, and cancels (ints)
     rooms: dict[int, _Pending] = field(default_factory=dict)
     dead: bool = False
     watch: asyncio.Task[None] | None = None  # _watch: its disconnect monitor's reader
-    out: list[KvRoom | KvCancel] = field(default_factory=list)  # this loop pass's, in order
 
 
 class DecodeSide:
     carries_logprobs = True  # fetch returns (first token, its logprobs) (tandem.engines.handoff)
 
     def __init__(self, mover: KvMover, name: str, *, done_timeout_s: float,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, connect: Connect = zmq_connect) -> None:
         self.mover = mover
+        self.connect = connect
         self.name = name
         self.done_timeout_s = done_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
@@ -118,7 +129,7 @@ class DecodeSide:
                 done = await asyncio.wait_for(asyncio.shield(done_fut), self.done_timeout_s)
             except BaseException as e:
                 # The prefill side may still be writing into `pages`: quarantine them.
-                self._queue(conn, KvCancel(bootstrap.room))  # (after its KvRoom, if that waits)
+                self._queue(conn, bootstrap.room)  # KvCancel (after its KvRoom, if that waits)
                 self._tasks.spawn(self._quarantine(conn, bootstrap.room, pending))
                 if isinstance(e, asyncio.TimeoutError):
                     raise KvHandoffError(f"room {bootstrap.room}: no KV from {conn.address} "
@@ -147,34 +158,28 @@ class DecodeSide:
             conn.rooms.pop(room, None)
             pending.release()
 
-    def _queue(self, conn: _Conn, msg: KvRoom | KvCancel) -> None:
-        """Send with the others of this loop pass to the same prefill worker (`_flush`)."""
-        if conn.dead:
-            return
-        if not conn.out:
-            asyncio.get_running_loop().call_soon(self._flush, conn)
-        conn.out.append(msg)
+    def _queue(self, conn: _Conn, item: KvRoom | int) -> None:
+        """A room (KvRoom), or a room to cancel (its number): sent with the others of this loop
+        pass to the same prefill worker (`_flush`)."""
+        if not conn.dead:
+            conn.out.add(item)
 
-    def _flush(self, conn: _Conn) -> None:
-        """This pass's messages to `conn`, in order: each run of KvRooms as one message."""
-        out, conn.out = conn.out, []
+    def _flush(self, conn: _Conn, items: list[KvRoom | int]) -> None:
+        """This pass's rooms to `conn` as KvRooms, then its cancels as one KvCancel (a room is
+        always asked for in an earlier pass than its cancel, or earlier in the same one)."""
         if conn.dead:
             return
-        rooms: list[KvRoom] = []
-        for msg in (*out, None):
-            if isinstance(msg, KvRoom):
-                rooms.append(msg)
-                continue
-            for batch in batches(rooms, KvRooms):
-                self._send(conn, batch)
-            rooms = []
-            if msg is not None:
-                self._send(conn, msg)
+        rooms = [m for m in items if isinstance(m, KvRoom)]
+        for batch in batches(rooms, KvRooms):
+            self._send(conn, batch)
+        if len(rooms) < len(items):
+            for cancels in batches([m for m in items if isinstance(m, int)], KvCancel):
+                self._send(conn, cancels)
 
     def _send(self, conn: _Conn, msg: wire.Message) -> None:
         try:
-            transport.send_nowait(conn.sock, msg)
-        except zmq.ZMQError as e:
+            conn.channel.send_nowait(msg)
+        except ChannelFull as e:
             self._drop(conn, f"cannot send to {conn.address}: {e}")
 
     async def _connect(self, b: Bootstrap) -> _Conn:
@@ -184,11 +189,12 @@ class DecodeSide:
             # A new identity: the prefill side's ROUTER drops a connection that reuses one it may
             # not have seen leave yet (and a new connection is a new peer there: hello first).
             self._num_conns += 1
-            sock = transport.dealer(f"tcp://{address}",
-                                    f"{self._ident}-{self._num_conns}".encode())
-            conn = _Conn(address, sock, asyncio.get_running_loop().create_future())
+            channel = self.connect(address, f"{self._ident}-{self._num_conns}".encode())
+            conn = _Conn(address, channel, asyncio.get_running_loop().create_future())
+            conn.out = PassBatcher(functools.partial(self._flush, conn))
             self._conns[address] = conn
-            self._tasks.spawn(self._recv_loop(conn), name=f"kv-recv {address}")
+            self._tasks.spawn(serve(channel, functools.partial(self._on_message, conn), "decode",
+                                    log), name=f"kv-recv {address}")
             conn.watch = self._tasks.spawn(self._watch(conn), name=f"kv-watch {address}")
             self._send(conn, KvHello(wire.PROTOCOL_VERSION, self.name, self.mover.metadata(),
                                      self.mover.kv_layout()))
@@ -218,34 +224,24 @@ class DecodeSide:
         for p in conn.rooms.values():
             if not p.fut.done():
                 p.fut.set_result(KvDone(-1, False, error=why))
-        transport.close(conn.sock)  # (its monitor off first: see transport.disconnects)
+        conn.out.clear()
+        conn.channel.close()  # (a ZMQ one turns its monitor off first: transport.disconnects)
         w = conn.watch
         if w is not None and w is not asyncio.current_task():
             w.cancel()
 
-    async def _recv_loop(self, conn: _Conn) -> None:
-        try:
-            async for msg in transport.dealer_messages(conn.sock, wire.TO_DECODE, log):
-                if isinstance(msg, KvHelloReply):
-                    if not conn.hello.done():
-                        conn.hello.set_result(msg)
-                    continue
-                for done in msg.items if isinstance(msg, KvDones) else (msg,):
-                    p = conn.rooms.get(done.room)
-                    if p is not None and not p.fut.done():
-                        p.fut.set_result(done)
-        except zmq.ZMQError:
-            return  # the socket was closed: the connection was dropped
-        except Exception as e:  # cannot happen by design; if it does, this connection is done:
-            # new requests reconnect, and its rooms end by their deadlines (pages quarantined,
-            # since the prefill side may still be writing into them).
-            log.error("bootstrap connection to %s failed: %r", conn.address, e)
-            conn.dead = True
-            if self._conns.get(conn.address) is conn:
-                del self._conns[conn.address]
+    def _on_message(self, conn: _Conn, msg: wire.ToDecode) -> None:
+        if isinstance(msg, KvHelloReply):
+            if not conn.hello.done():
+                conn.hello.set_result(msg)
+            return
+        rooms = conn.rooms
+        for done in msg.items:
+            p = rooms.get(done.room)
+            if p is not None and not p.fut.done():
+                p.fut.set_result(done)
 
     async def _watch(self, conn: _Conn) -> None:
-        async with contextlib.aclosing(transport.disconnects(conn.sock)) as events:
-            async for _ in events:
-                self._drop(conn, f"prefill worker at {conn.address} disconnected")
-                return
+        async for _ in conn.channel.disconnects():
+            self._drop(conn, f"prefill worker at {conn.address} disconnected")
+            return

@@ -1,6 +1,7 @@
-"""The prefill side of the KV handoff's bootstrap protocol (tandem.kv.bootstrap.decode has the protocol and
-the decode side): the ROUTER socket decode workers connect to, the rooms waiting for their pages or
-their request, and the page WRITEs (through the mover) with their `KvDone` answers.
+"""The prefill side of the KV handoff's bootstrap protocol (tandem.kv.bootstrap.decode has the
+protocol and the decode side): the ROUTER channel decode workers connect to (a ZMQ ROUTER bound at
+its address, or any `RouterChannel` given), the rooms waiting for their pages or their request,
+and the page WRITEs (through the mover) with their `KvDone` answers.
 
 It treats every decode peer as untrusted input. Bytes that do not decode are dropped by the
 transport; a `KvHello` is checked (tandem.kv.bootstrap.checks: caps on metadata, pages, address range)
@@ -23,13 +24,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import zmq
-
 from tandem.kv.bootstrap.checks import NO_HELLO, check_hello, check_room
 from tandem.kv.transfer.movers import KvMover
 from tandem.runtime import transport, wire
+from tandem.runtime.channel import ChannelFull, RouterChannel, ZmqRouterChannel, serve
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import (
     KvCancel, KvDone, KvDones, KvHello, KvHelloReply, KvLayout, KvRoom, KvRooms, TokenLogprobs,
 )
@@ -41,16 +42,16 @@ MAX_PENDING_HELLOS = 8
 MAX_ROOMS = 1 << 16  # rooms waiting for their request or their pages
 MAX_BATCH = 4096  # KvRooms or KvDones items in one message (a pass's for one peer may take more)
 
-__all__ = ["Destination", "PrefillSide", "batches"]
+__all__ = ["DecodePeers", "Destination", "PrefillSide", "batches"]
 
-B = TypeVar("B", bound=wire.Message)
+B = TypeVar("B")
+DecodePeers = RouterChannel[wire.Message, wire.ToPrefill]
 
 
 def batches(items: list[B], batch: Callable[[list[B]], wire.Message]) -> Iterator[wire.Message]:
-    """`items` as messages of at most MAX_BATCH: a lone one as itself, more as `batch(items)`."""
+    """`items` as `batch(chunk)` messages of at most MAX_BATCH items each."""
     for i in range(0, len(items), MAX_BATCH):
-        chunk = items[i:i + MAX_BATCH]
-        yield chunk[0] if len(chunk) == 1 else batch(chunk)
+        yield batch(items[i:i + MAX_BATCH])
 
 
 @dataclass(eq=False)
@@ -79,19 +80,22 @@ class PrefillSide:
     carries_logprobs = True  # KvDone carries the first token's logprobs (tandem.engines.handoff)
 
     def __init__(self, mover: KvMover, host: str, port: int, *, room_timeout_s: float,
-                 transfer_timeout_s: float, advertise_host: str = "") -> None:
+                 transfer_timeout_s: float, advertise_host: str = "",
+                 channel: DecodePeers | None = None) -> None:
+        """`channel`: where decode sides reach it; by default `start` binds a ZMQ ROUTER at
+        host:port."""
         self.mover = mover
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host  # what decode workers connect to
         self.room_timeout_s = room_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self._sock: transport.Socket | None = None
+        self._channel = channel
         self._peers: dict[bytes, _Peer] = {}
         self._layouts: dict[bytes, KvLayout] = {}
         self._hellos: set[bytes] = set()  # peers whose KvHello is being added, off the loop
         self._hello_lock = asyncio.Lock()  # one peer added at a time
         self._rooms: dict[int, _Room] = {}
-        self._dones: dict[bytes, list[KvDone]] = {}  # this loop pass's, per peer (`_flush_dones`)
+        self._dones: PassBatcher[tuple[bytes, KvDone]] = PassBatcher(self._send_dones)
         self._loops = TaskGroup(supervised=True)  # the socket's loops: a death is fatal
         self._tasks = TaskGroup()  # writes and hellos
 
@@ -100,16 +104,19 @@ class PrefillSide:
         return f"{self.advertise_host}:{self.port}"
 
     async def start(self) -> None:
-        self._sock = transport.router(f"tcp://{self.host}:{self.port}")
-        self._loops.spawn(self._recv_loop(), name="kv-bootstrap")
+        if self._channel is None:
+            self._channel = ZmqRouterChannel(f"tcp://{self.host}:{self.port}", wire.TO_PREFILL,
+                                             log)
+        self._loops.spawn(serve(self._channel, self.dispatch, "bootstrap", log),
+                          name="kv-bootstrap")
         self._loops.spawn(self._expire_loop(), name="kv-expire")
 
     async def close(self) -> None:
         await self._loops.close()
         await self._tasks.close()
-        if self._sock is not None:
-            self._flush_dones()  # (what this pass ended is said before the socket goes)
-            self._sock.close(linger=0)
+        if self._channel is not None:
+            self._dones.flush_now()  # (what this pass ended is said before the channel goes)
+            self._channel.close()
         self.mover.close()
 
     def _room(self, room: int) -> _Room:
@@ -147,7 +154,8 @@ class PrefillSide:
                     first_logprobs: TokenLogprobs | None) -> KvHandoffError | None:
         n = len(dest.pages)
         if n > len(local):
-            self._done(dest, KvDone(room, False, error="decode side asked for more pages"))
+            self._done(dest.ident, KvDone(room, False,
+                                          error="decode side asked for more pages"))
             return KvHandoffError(f"room {room}: decode side wants {n} pages, prompt has "
                                   f"{len(local)}")
         peer = self._peers.get(dest.ident)
@@ -156,86 +164,83 @@ class PrefillSide:
         try:
             await self.mover.write(dest.peer, local[:n], dest.pages, self.transfer_timeout_s)
         except Exception as e:  # the one place a mover's failure becomes a KvHandoffError
-            self._done(dest, KvDone(room, False, error=f"KV transfer failed: {e}"))
+            self._done(dest.ident, KvDone(room, False, error=f"KV transfer failed: {e}"))
             return KvHandoffError(f"room {room}: KV transfer failed: {e}")
         finally:
             if peer is not None:
                 peer.writes -= 1
-        self._done(dest, KvDone(room, True, first, first_logprobs=first_logprobs))
+        self._done(dest.ident, KvDone(room, True, first, first_logprobs=first_logprobs))
         return None
 
     def fail(self, room: int, error: str) -> None:
         """The prefill of `room` failed before any write: tell its decode side if we know it."""
         r = self._rooms.pop(room, None)
         if r is not None and r.fut.done() and not r.fut.cancelled() and r.fut.exception() is None:
-            self._done(r.fut.result(), KvDone(room, False, error=error))
+            self._done(r.fut.result().ident, KvDone(room, False, error=error))
             return
         if r is not None and not r.fut.done():
             r.fut.cancel()
         if len(self._rooms) < MAX_ROOMS:  # the pages may still come: remember why, until expiry
             self._room(room).failed = error or "the prefill failed"
 
-    def _done(self, dest: Destination, msg: KvDone) -> None:
+    def _done(self, ident: bytes, msg: KvDone) -> None:
         """Tell the decode side a room ended: with the others of this loop pass for that peer, in
         one message (a burst's prefills end together; a send per room would wake ZMQ's I/O thread
         for each)."""
-        if not self._dones:
-            asyncio.get_running_loop().call_soon(self._flush_dones)
-        self._dones.setdefault(dest.ident, []).append(msg)
+        self._dones.add((ident, msg))
 
-    def _flush_dones(self) -> None:
-        dones, self._dones = self._dones, {}
-        for ident, items in dones.items():
+    def _send_dones(self, dones: list[tuple[bytes, KvDone]]) -> None:
+        per_peer: dict[bytes, list[KvDone]] = {}
+        for ident, done in dones:
+            per_peer.setdefault(ident, []).append(done)
+        for ident, items in per_peer.items():
             for msg in batches(items, KvDones):
                 self._reply(ident, msg)
 
     def _reply(self, ident: bytes, msg: wire.Message) -> None:
         """Send to a decode peer; one that is gone (EHOSTUNREACH) or not reading (EAGAIN past the
         high-water mark) is counted and skipped: it never ends the loop."""
-        assert self._sock is not None
+        assert self._channel is not None
         try:
-            transport.send_nowait(self._sock, msg, ident)
-        except zmq.ZMQError as e:
+            self._channel.send_nowait(ident, msg)
+        except ChannelFull as e:
             transport.refused("bootstrap", "reply to a gone or slow peer", log, e)
 
     def _refuse_room(self, ident: bytes, room: int, what: str, why: str) -> None:
         transport.refused("bootstrap", what, log, why)
-        self._reply(ident, KvDone(room, False, error=why))
+        self._done(ident, KvDone(room, False, error=why))
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        async for ident, msg in transport.router_messages(self._sock, wire.TO_PREFILL, log):
-            try:
-                self._dispatch(ident, msg)
-            except Exception as e:  # a handler that fails on some input drops only that message
-                transport.refused("bootstrap", f"handler failed on {type(msg).__name__}", log,
-                                  repr(e))
-
-    def _dispatch(self, ident: bytes, msg: wire.ToPrefill) -> None:
+    def dispatch(self, item: tuple[bytes, wire.ToPrefill]) -> None:
+        """One message from a decode peer (identity, message): the receive loop's handler."""
+        ident, msg = item
         peer = self._peers.get(ident)
         if peer is not None:
             peer.last_heard = time.monotonic()
-        if isinstance(msg, KvRoom):
-            self._on_room(ident, msg)
-        elif isinstance(msg, KvRooms):
+        if isinstance(msg, KvRooms):
             if len(msg.items) > MAX_ROOMS:
                 return transport.refused("bootstrap", "too many rooms in one message", log,
                                          len(msg.items))
-            for room in msg.items:  # (each checked as if it came alone)
-                self._on_room(ident, room)
+            for one in msg.items:  # (each checked as if it came alone)
+                self._on_room(ident, one)
         elif isinstance(msg, KvCancel):
-            r = self._rooms.get(msg.room)
-            if r is None:
-                return  # written, failed or expired already (the race is normal)
-            if r.owner is None or r.owner != ident:
-                return transport.refused("bootstrap", "cancel of a room the peer did not bind",
-                                         log)
-            del self._rooms[msg.room]
-            if not r.fut.done():
-                r.fut.set_exception(KvHandoffError(f"room {msg.room} cancelled by decode"))
-                r.fut.exception()  # retrieved: no "never retrieved" warning if nobody waits
+            if len(msg.rooms) > MAX_ROOMS:
+                return transport.refused("bootstrap", "too many rooms in one message", log,
+                                         len(msg.rooms))
+            for room in msg.rooms:
+                self._on_cancel(ident, room)
         elif isinstance(msg, KvHello):
             self._on_hello(ident, msg)
+
+    def _on_cancel(self, ident: bytes, room: int) -> None:
+        r = self._rooms.get(room)
+        if r is None:
+            return  # written, failed or expired already (the race is normal)
+        if r.owner is None or r.owner != ident:
+            return transport.refused("bootstrap", "cancel of a room the peer did not bind", log)
+        del self._rooms[room]
+        if not r.fut.done():
+            r.fut.set_exception(KvHandoffError(f"room {room} cancelled by decode"))
+            r.fut.exception()  # retrieved: no "never retrieved" warning if nobody waits
 
     def _on_room(self, ident: bytes, msg: KvRoom) -> None:
         peer, layout = self._peers.get(ident), self._layouts.get(ident)
@@ -248,7 +253,7 @@ class PrefillSide:
         r = self._rooms.get(msg.room)
         if r is not None and r.failed:
             del self._rooms[msg.room]
-            return self._reply(ident, KvDone(msg.room, False, error=r.failed))
+            return self._done(ident, KvDone(msg.room, False, error=r.failed))
         if r is None:
             if len(self._rooms) >= MAX_ROOMS:
                 return self._refuse_room(ident, msg.room, "too many rooms",
@@ -320,7 +325,7 @@ class PrefillSide:
                 if r.expires < now:
                     del self._rooms[room]
                     if r.fut.done() and not r.fut.cancelled() and r.fut.exception() is None:
-                        self._done(r.fut.result(), KvDone(room, False,
-                                                          error="the prefill request never came"))
+                        self._done(r.fut.result().ident,
+                                   KvDone(room, False, error="the prefill request never came"))
                     elif not r.fut.done():
                         r.fut.cancel()
