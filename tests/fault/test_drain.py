@@ -4,11 +4,12 @@ frontend, eight clients streaming one request after another).
 - The signalled worker turns not-ready on its health port at once.
 - It reports `draining` in its load, and the router places nothing new on it from the moment it
   knows (the frontend's per-worker placement counter stops); new requests go to the other worker.
-- Its in-flight streams finish (a generous drain deadline) or end with a clear error naming the
-  drain (a deadline shorter than the streams), and it exits within the deadline.
+- Its in-flight streams finish (a generous drain deadline), or the drain deadline ends them and
+  the frontend moves them to the other worker (a deadline shorter than the streams), and it exits
+  within the deadline.
 - A request can still reach it in the instant between the signal and the frontend hearing of it
-  (one engine step, at most); the worker refuses it with a 503 that says it is draining. Such
-  refusals are counted and bounded; no other stream fails.
+  (one engine step, at most); the worker refuses it as draining, and the frontend moves it too.
+  No stream fails.
 - Every page is free afterwards on the worker that stayed.
 """
 
@@ -40,7 +41,7 @@ def health(port: int) -> int:
 
 @pytest.mark.parametrize("drain_s, max_tokens, in_flight_end", [
     (8.0, 40, "complete"),  # streams of ~0.8 s, a deadline of 8 s: they all finish
-    (2.0, 400, "error"),  # streams of ~8 s, a deadline of 2 s: they end with a clear error
+    (2.0, 400, "moved"),  # streams of ~8 s, a deadline of 2 s: they move to the other worker
 ])
 async def test_sigterm_under_load(tiny_model: str, tmp_path: Path, drain_s: float,
                                   max_tokens: int, in_flight_end: str) -> None:
@@ -84,22 +85,17 @@ async def test_sigterm_under_load(tiny_model: str, tmp_path: Path, drain_s: floa
         load = None
 
         failed = [o for o in outcomes if not o.ok]
-        refused = [o for o in failed if o.status == 503 and "drain" in o.error]
-        ended = [o for o in failed if o.status == 200 and "drain" in o.error
-                 and o.t1 - t_sig <= drain_s + 5.0]
+        moved = _metric(url, "tandem_request_migrations_total")
         print(f"\n{len(outcomes)} streams ({on_victim} on the victim at SIGTERM); not ready "
               f"after {not_ready_after * 1000:.0f} ms, exited after {exited_after:.2f}s; "
-              f"{len(ended)} ended by the drain, {len(refused)} refused while it was draining")
+              f"{moved:g} moved to the other worker")
         assert code == 503 or (in_flight_end == "complete" and code == 0), code
         # Exits by its deadline (the bound leaves seconds for a loaded machine's exit; that the
-        # deadline cut the streams is shown by `ended` below).
+        # deadline cut the streams is shown by the moves below).
         assert victim.returncode == 0 and exited_after < drain_s + 5.0
-        assert set(map(id, failed)) == set(map(id, refused + ended)), [o.error for o in failed]
-        assert len(refused) <= 2  # only in the instant before the frontend heard
-        if in_flight_end == "complete":
-            assert not ended
-        else:
-            assert 1 <= len(ended) <= on_victim + len(refused) + 8
+        assert not failed, [(o.status, o.error) for o in failed]
+        if in_flight_end == "moved":
+            assert moved >= 1
         done = [o for o in outcomes if o.ok]
         assert done and all(o.completion_tokens == max_tokens for o in done)
         assert other.alive() and fe.alive()
@@ -108,6 +104,14 @@ async def test_sigterm_under_load(tiny_model: str, tmp_path: Path, drain_s: floa
         if load is not None:
             await load.stop(10)
         await asyncio.to_thread(stop_all, [fe, *c.workers], 15.0)
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as f:
+        for line in f.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
 
 
 async def _in_flight(url: str, address: str) -> bool:

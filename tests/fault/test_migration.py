@@ -8,6 +8,8 @@ page free on the survivors."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -43,8 +45,9 @@ def migrations(c: Cluster) -> float:
     return 0.0
 
 
-def kill_when_busy(c: Cluster, victim_index: int) -> threading.Thread:
-    """SIGKILL the victim once it serves streams that have started (a few tokens in)."""
+def kill_when_busy(c: Cluster, victim_index: int, graceful: bool = False) -> threading.Thread:
+    """SIGKILL the victim once it serves streams that have started (a few tokens in); `graceful`:
+    SIGTERM it (it drains: what does not finish within its drain deadline ends DRAINING)."""
     victim = c.workers[victim_index]
 
     def go() -> None:
@@ -55,7 +58,11 @@ def kill_when_busy(c: Cluster, victim_index: int) -> threading.Thread:
             if w and w["in_flight"] >= 2 and w["active_decode_tokens"] > w["in_flight"] * 8:
                 break
             time.sleep(0.05)
-        victim.kill()
+        if graceful:
+            os.kill(victim.pid, signal.SIGTERM)
+            victim.popen.wait(30)
+        else:
+            victim.kill()
     t = threading.Thread(target=go)
     t.start()
     return t
@@ -73,14 +80,14 @@ def check_survived(c: Cluster, results: list[StreamResult], reference: list[str]
     assert not mismatched, [(results[i].text, reference[i]) for i in mismatched]
 
 
-def run_case(c: Cluster, victim: int) -> None:
+def run_case(c: Cluster, victim: int, graceful: bool = False) -> None:
     model = c.get_json("/v1/models")["data"][0]["id"]
     reference = [r.text for r in run_streams(c.url, bodies(model))]
     assert all(reference)
     killer: list[threading.Thread] = []
     results = run_streams(c.url, bodies(model),
-                          during=lambda: killer.append(kill_when_busy(c, victim)))
-    killer[0].join(30)
+                          during=lambda: killer.append(kill_when_busy(c, victim, graceful)))
+    killer[0].join(40)
     check_survived(c, results, reference, victim)
 
 
@@ -103,6 +110,34 @@ def test_1p2d_decode_worker_killed_mid_stream(tiny_model, tmp_path):
     c.start_frontend()
     try:
         run_case(c, 1)
+    finally:
+        c.stop()
+
+
+DRAIN = ["--drain-timeout", "0.3"]  # far shorter than a stream: the drain ends them mid-way
+
+
+def test_two_agg_workers_one_stopped_gracefully_mid_stream(tiny_model, tmp_path):
+    """SIGTERM: what the worker did not finish within its drain deadline moves like a crash's.
+    (Seen before: those streams failed, so a graceful restart was worse than a crash.)"""
+    c = Cluster(tiny_model, str(tmp_path))
+    c.add_worker("mock", [*PACE, *DRAIN])
+    c.add_worker("mock", PACE)
+    c.start_frontend()
+    try:
+        run_case(c, 0, graceful=True)
+    finally:
+        c.stop()
+
+
+def test_1p2d_decode_worker_stopped_gracefully_mid_stream(tiny_model, tmp_path):
+    c = Cluster(tiny_model, str(tmp_path))
+    c.add_worker("mock", ["--role", "prefill", "--bootstrap-port", str(free_port()), *PACE])
+    c.add_worker("mock", ["--role", "decode", *PACE, *DRAIN])
+    c.add_worker("mock", ["--role", "decode", *PACE])
+    c.start_frontend()
+    try:
+        run_case(c, 1, graceful=True)
     finally:
         c.stop()
 

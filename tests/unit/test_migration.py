@@ -285,3 +285,33 @@ async def test_a_worker_that_fails_at_once_is_passed_over_until_it_serves_again(
     clock.now += 1.1
     assert await one() == w0.address and w0.streak.count == 0  # it served: back in the rotation
     assert (await pool.snapshot())[0]["failed_in_a_row"] == 0
+
+
+@pytest.mark.parametrize("with_tokens", [False, True])
+async def test_a_request_a_draining_worker_ends_moves_like_one_it_lost(with_tokens: bool) -> None:
+    """A worker that shuts down ends what did not finish within its drain deadline with a
+    DRAINING error (or refuses a request with it as it starts draining): the request moves to
+    another worker with what was delivered, as if the worker had crashed, instead of failing.
+    (Seen before: a graceful restart failed long streams that a crash would have moved.)"""
+    pool, workers = memory_pool(["agg", "agg"])
+    w0, w1 = pool.links
+    h = await placed(pool)
+    w0.on_deltas(Deltas([Delta(h.rid, 0, [10, 11])]))
+    assert (await next_delta(h.collector)).token_ids == [10, 11]
+    last = [12] if with_tokens else []  # (the outbox may merge tokens into the last delta)
+    w0.on_deltas(Deltas([Delta(h.rid, 2, last, "error", error="the worker shut down: not "
+                               "finished within its 10s drain", error_kind=ErrorKind.DRAINING)],
+                        load=Load(pages_free=100, pages_total=100, draining=True)))
+    await settle()
+    [g] = generates(workers, w1.address)
+    done = 2 + len(last)
+    assert g.prompt_ids == PROMPT + [10, 11] + last and g.resume_offset == done
+    w1.on_deltas(Deltas([Delta(g.rid, 0, [20] * (6 - done), "length", Usage(3 + done, 6 - done))]))
+    rest = [d async for d in deltas_of(h)]
+    tokens = [t for d in rest for t in d.token_ids]
+    assert tokens == last + [20] * (6 - done)
+    assert rest[-1].finish_reason == "length" and rest[-1].usage == Usage(3, 6)
+    assert aborts(workers, w0.address) == []  # the worker ended it itself
+    assert w0.streak.count == 0  # a drain is not a failure of the worker
+    await h.__aexit__(None, None, None)
+    assert metric(pool, "tandem_request_migrations_total") == 1

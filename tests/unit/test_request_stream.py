@@ -58,8 +58,9 @@ async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset: int) -> Non
     assert await aborts(workers, link.address) == [h.rid]
 
 
-@pytest.mark.parametrize("kind", list(ErrorKind))
+@pytest.mark.parametrize("kind", [k for k in ErrorKind if k is not ErrorKind.DRAINING])
 async def test_error_delta_reaches_the_reader_with_its_kind(kind: ErrorKind) -> None:
+    """(A worker shutting down ends requests DRAINING: those move, tests/unit/test_migration.)"""
     pool, workers = memory_pool(["agg"])
     link = pool.links[0]
     async with await placed(pool) as h:

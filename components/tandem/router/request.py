@@ -121,6 +121,18 @@ class Leg(Share):
         self.received += len(d.token_ids)
         fin = d.finish_reason
         if fin is not None:
+            if fin == "error" and d.error_kind is ErrorKind.DRAINING:
+                # The worker is shutting down (it refused the request, or its drain deadline
+                # ended it): a graceful restart moves the request like a crash would.
+                self.over = True  # (it ended there: nothing to abort)
+                why = f"worker {self.link.address} is shutting down ({d.error})"
+                if self.reads and d.token_ids:  # (tokens merged into its last delta)
+                    h.tokens += d.token_ids
+                    d = msgspec.structs.replace(d, finish_reason=None, usage=None, error="",
+                                                error_kind=None)
+                    h.collector.put(h.shifted(d, self.base) if self.base else d)
+                h.leg_failed(self, errors.WorkerLost(why, retry_after=1.0))
+                return True
             self.over = self.finished = True
         if self.reads:
             h.tokens += d.token_ids
