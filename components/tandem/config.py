@@ -308,6 +308,22 @@ class FrontendConfig(Common):
                                       flag="--log-stats-interval", type=non_negative_float)
     max_connections: int = opt(10_000, "most open HTTP connections; one past it gets 503 and is "
                                "closed at once (uvicorn)", type=positive_int)
+    max_connections_per_client: int = opt(0, "most open HTTP connections from one client "
+                                          "address; one past it gets 503 and is closed at once, "
+                                          "so that one client cannot take them all (0 = half of "
+                                          "--max-connections; behind a proxy that hides client "
+                                          "addresses, set it to --max-connections) (uvicorn)",
+                                          flag="--max-client-connections",
+                                          type=non_negative_int)
+    max_body_bytes_in_flight: int = opt(128 * 2**20, "most bytes of request bodies being "
+                                        "received at once, over all connections; a body that "
+                                        "would take more gets 503 with Retry-After (one larger "
+                                        "than this whole budget: 413)", type=positive_int)
+    max_response_logprobs: int = opt(500_000, "most token logprobs a non-streamed response may "
+                                     "carry, the sum over its choices of max_tokens x (1 + top "
+                                     "logprobs); a request that could carry more gets 400 (a "
+                                     "stream is not capped: it is written as it is made)",
+                                     type=positive_int)
     http_header_timeout_s: float = opt(10.0, "seconds a connection may take to send a request's "
                                        "head before it gets 408 and is closed (uvicorn)",
                                        flag="--http-header-timeout", type=positive_float)

@@ -31,7 +31,8 @@ from tandem.config import FrontendConfig
 from tandem.frontend import schemas, validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
-                                  Scope, Send, read_body, watch_disconnect)
+                                  Scope, Send, content_length, read_body, watch_disconnect)
+from tandem.frontend.limits import BodyBudget
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
@@ -72,7 +73,10 @@ class FrontendApp:
         self.pool = pool
         self.preprocessor = preprocessor
         self.model_name = preprocessor.model_name
-        self.max_body_bytes = max_body_bytes
+        # Bodies being received, over all connections, share one budget; a body larger than the
+        # whole budget could never be taken, so that is its size cap too (413, not 503).
+        self.bodies = BodyBudget(config.max_body_bytes_in_flight)
+        self.max_body_bytes = min(max_body_bytes, self.bodies.limit)
         self.body_timeout_s = config.http_body_timeout_s
         self.registry = registry if registry is not None else pool.registry
         self.registry.add_process_metrics()
@@ -125,7 +129,7 @@ class FrontendApp:
         try:
             kind = self._post.get(path)
             if kind is not None and method == "POST":
-                job = await self._generation(kind, receive, ex, t0)
+                job = await self._generation(kind, scope, receive, ex, t0)
                 self.traffic.record(method, path, ex.status or 499, job.rid if job else "",
                                     job.prompt_tokens if job else 0,
                                     job.completion_tokens if job else 0,
@@ -137,7 +141,7 @@ class FrontendApp:
             if handler is not None and method in ("GET", "HEAD"):
                 await handler(ex)
             elif small is not None and method == "POST":
-                await self._small(small, receive, ex)
+                await self._small(small, scope, receive, ex)
             elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
                 endpoint = "/v1/models/{id}"
                 await self._model(path[len("/v1/models/"):], ex)
@@ -154,13 +158,12 @@ class FrontendApp:
 
     # --- generation -------------------------------------------------------------------------------
 
-    async def _generation(self, kind: str, receive: Receive, ex: ResponseWriter,
+    async def _generation(self, kind: str, scope: Scope, receive: Receive, ex: ResponseWriter,
                           t0: float) -> GenerationJob | None:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         m = self.metrics
         try:
-            body = await read_body(receive, self.max_body_bytes, self.body_timeout_s)
-            job = await self._prepare(kind, body, t0)
+            job = await self._prepare(kind, await self._body(scope, receive), t0)
             handles = [self.pool.open(c.prompt_ids, c.sampling) for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)
@@ -193,6 +196,12 @@ class FrontendApp:
             m.requests.labels(endpoint, str(ex.status) if ex.status else "499").inc()
             m.e2e.observe(time.monotonic() - t0)
         return job
+
+    def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
+        """The request's body, within the server's body limits (tandem.frontend.http read_body:
+        its size cap, its deadline, the budget of bodies being received)."""
+        return read_body(receive, self.max_body_bytes, self.body_timeout_s, self.bodies,
+                         content_length(scope))
 
     async def _respond(self, job: GenerationJob, handles: list[Handle], receive: Receive,
                        ex: ResponseWriter) -> None:
@@ -241,6 +250,8 @@ class FrontendApp:
                 detok = pre.detokenizers.new(opts.stops, prompt_ids, opts.skip_special_tokens,
                                              opts.include_stop)
                 choices.append(ChoiceSpec(p, prompt_ids, sp, detok, echo))
+        validate.check_response_logprobs(req, opts, [c.sampling.max_tokens for c in choices],
+                                         self.config.max_response_logprobs)
         return GenerationJob(
             kind="chat" if kind == "chat" else "completion", model=self.model_name,
             stream=opts.stream, include_usage=opts.include_usage,
@@ -286,11 +297,10 @@ class FrontendApp:
             return
         await ex.reply(200, _encode(self._card()), JSON)
 
-    async def _small(self, handler: Callable[[bytes], Awaitable[bytes]], receive: Receive,
-                     ex: ResponseWriter) -> None:
+    async def _small(self, handler: Callable[[bytes], Awaitable[bytes]], scope: Scope,
+                     receive: Receive, ex: ResponseWriter) -> None:
         try:
-            body = await handler(await read_body(receive, self.max_body_bytes,
-                                                 self.body_timeout_s))
+            body = await handler(await self._body(scope, receive))
         except errors.TandemError as e:
             await ex.error(e)
             return

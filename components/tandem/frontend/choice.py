@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from tandem.frontend import openai_api as api
 from tandem.frontend import schemas
 from tandem.frontend import sse
@@ -163,7 +165,7 @@ class RichChoiceState(ChoiceState):
     chunk that carries them, or all in the body) and/or the usage so far in every chunk."""
 
     __slots__ = ("kind", "token", "want_logprobs", "lps", "offset", "prompt_tokens", "continuous",
-                 "__weakref__")
+                 "json", "__weakref__")
 
     def __init__(self, job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
                  created: int) -> None:
@@ -175,15 +177,24 @@ class RichChoiceState(ChoiceState):
         self.kind = job.kind
         self.token = job.token
         self.want_logprobs = job.logprobs is not None and job.token is not None
-        self.lps: list[TokenLogprobs] = []  # streamed: not sent yet; aggregated: all
+        self.lps: list[TokenLogprobs] = []  # not sent (streamed) or rendered (aggregated) yet
         self.offset = len(spec.echo)
         self.prompt_tokens = len(spec.prompt_ids)
         self.continuous = job.continuous_usage
+        # Aggregated: the body's logprobs, rendered as each delta is fed (its tokens past a stop
+        # string cut first), not all at the end.
+        self.json: api.LogprobsJson | None = None
+        if self.want_logprobs and not job.stream:
+            self.json = api.LogprobsJson(schemas.ChatLogprobs([]) if job.kind == "chat"
+                                         else schemas.CompletionLogprobs([], [], [], []))
 
     def feed(self, d: Delta) -> bytes:
         if self.want_logprobs and d.logprobs:
             self.lps += d.logprobs
-        return ChoiceState.feed(self, d)
+        out = ChoiceState.feed(self, d)
+        if self.json is not None and self.lps:
+            self.json.add(self.take_logprobs())
+        return out
 
     def cut(self, n: int) -> None:
         if self.want_logprobs and self.lps:
@@ -199,6 +210,15 @@ class RichChoiceState(ChoiceState):
         if out.tokens:
             self.offset = out.text_offset[-1] + len(out.tokens[-1])
         return out
+
+    def body_logprobs(self) -> msgspec.Raw | None:
+        """The logprobs of an aggregated response's choice, as its body's JSON (once, at the
+        end); None when the request asked for none."""
+        if self.json is None:
+            return None
+        if self.lps:
+            self.json.add(self.take_logprobs())
+        return self.json.raw()
 
     def usage_now(self) -> schemas.UsageInfo | None:
         return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None

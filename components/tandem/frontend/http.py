@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from tandem.frontend.limits import BodyBudget
 from tandem.runtime import errors
 from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.wire import Delta, ErrorKind
@@ -70,11 +71,25 @@ def error_of(d: Delta) -> errors.TandemError:
     return err
 
 
-async def read_body(receive: Receive, max_bytes: int, deadline: float) -> bytes:
+class BodiesBusy(errors.Unavailable):
+    """The server's budget of body bytes being received has no room for this body now (503)."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        super().__init__(f"The server is receiving {budget.limit} bytes of request bodies at "
+                         f"most, and has no room for this one now; retry shortly.",
+                         retry_after=1)
+
+
+async def read_body(receive: Receive, max_bytes: int, deadline: float,
+                    budget: BodyBudget | None = None, declared: int | None = None) -> bytes:
     """The request body: PayloadTooLarge (413) past `max_bytes`, RequestTimeout (408) when it has
-    not all arrived within `deadline` seconds (0: none), ClientGone if the client left."""
+    not all arrived within `deadline` seconds (0: none), ClientGone if the client left. With a
+    `budget`, its bytes are taken from it as they arrive and all given back when this returns or
+    raises; BodiesBusy (503) when the budget has no room for them. A `declared` length (the
+    request's content-length) is checked against both before anything is read, so a body that
+    cannot be taken is refused before the client sends it."""
     if deadline <= 0:
-        return await _read_body(receive, max_bytes)
+        return await _read_body(receive, max_bytes, budget, declared)
     # What `asyncio.timeout` does, at half its cost (it runs once per request): a timer that
     # cancels this task, and that cancellation turned into the 408.
     loop = running_loop()
@@ -89,7 +104,7 @@ async def read_body(receive: Receive, max_bytes: int, deadline: float) -> bytes:
 
     timer = loop.call_later(deadline, expire)
     try:
-        return await _read_body(receive, max_bytes)
+        return await _read_body(receive, max_bytes, budget, declared)
     except asyncio.CancelledError:
         if fired and task.uncancel() == 0:  # our timer's, and no one else's besides
             raise RequestTimeout(
@@ -99,20 +114,46 @@ async def read_body(receive: Receive, max_bytes: int, deadline: float) -> bytes:
         timer.cancel()
 
 
-async def _read_body(receive: Receive, max_bytes: int) -> bytes:
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"Request body is larger than {max_bytes} bytes.")
+
+
+async def _read_body(receive: Receive, max_bytes: int, budget: BodyBudget | None,
+                     declared: int | None) -> bytes:
+    if declared is not None:
+        if declared > max_bytes:
+            raise _too_large(max_bytes)
+        if budget is not None and declared > budget.free:
+            raise BodiesBusy(budget)
     chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientGone()
-        data = msg.get("body", b"")
-        size += len(data)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"Request body is larger than {max_bytes} bytes.")
-        chunks.append(data)
-        if not msg.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    size = taken = 0
+    try:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ClientGone()
+            data = msg.get("body", b"")
+            size += len(data)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            if budget is not None and data:
+                if not budget.take(len(data)):
+                    raise BodiesBusy(budget)
+                taken += len(data)
+            chunks.append(data)
+            if not msg.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        if taken and budget is not None:
+            budget.give(taken)
+
+
+def content_length(scope: Scope) -> int | None:
+    """The request's content-length header as a number (None: none, or not a number)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
 
 
 class ServerCalls(Protocol):

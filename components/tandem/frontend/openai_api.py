@@ -13,14 +13,16 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from tandem.frontend.schemas import (ChatChoice, ChatCompletion, ChatLogprobs, Completion,
                                      CompletionChoice, CompletionLogprobs, ResponseMessage,
                                      TokenLogprob, TopLogprob, UsageInfo)
 from tandem.runtime.wire import TokenLogprobs
 
-__all__ = ["TokenTexts", "chat_completion", "chat_completion_choices", "chat_logprobs",
-           "completion_logprobs", "new_id", "text_completion", "text_completion_choices",
-           "usage_info"]
+__all__ = ["LogprobsJson", "TokenTexts", "chat_completion", "chat_completion_choices",
+           "chat_logprobs", "completion_logprobs", "new_id", "text_completion",
+           "text_completion_choices", "usage_info"]
 
 TokenTexts = Callable[[int], tuple[str, bytes]]
 """token id -> (its text, its bytes): tandem.frontend.detokenizer.DetokenizerFactory.token."""
@@ -63,6 +65,43 @@ def completion_logprobs(lps: Sequence[TokenLogprobs], token: TokenTexts,
     return out
 
 
+_encode = msgspec.json.Encoder().encode
+_HOLE = b"\x00"  # never in msgspec's JSON, which escapes control characters in strings
+
+
+class LogprobsJson:
+    """One choice's logprobs object (ChatLogprobs or CompletionLogprobs) for a response that is
+    not streamed, rendered to JSON as its tokens arrive: the response's end then costs a join,
+    not the objects of every token at once (at n=64 and top_logprobs=20 that held the event loop
+    for seconds). Made from the object with no tokens; `add(part)` renders the next tokens' object
+    (as chat_logprobs or completion_logprobs make it); `raw()` is the JSON of all of them as one
+    object, to put in the response where the object goes, once."""
+
+    __slots__ = ("names", "shell", "parts")
+
+    def __init__(self, empty: ChatLogprobs | CompletionLogprobs) -> None:
+        # The object's JSON with a hole where each of its lists goes; each list's items, by part.
+        self.names = [f for f in empty.__struct_fields__ if isinstance(getattr(empty, f), list)]
+        holes = dict.fromkeys(self.names, msgspec.Raw(_HOLE))
+        self.shell = _encode(msgspec.structs.replace(empty, **holes)).split(_HOLE)
+        self.parts: list[list[bytes]] = [[] for _ in self.names]
+
+    def add(self, part: ChatLogprobs | CompletionLogprobs | None) -> None:
+        if part is None:
+            return
+        for items, name in zip(self.parts, self.names):
+            values = getattr(part, name)
+            if values:
+                items.append(_encode(values)[1:-1])  # (without the list's brackets)
+
+    def raw(self) -> msgspec.Raw:
+        out = [self.shell[0]]
+        for items, after in zip(self.parts, self.shell[1:]):
+            out += (b"[", b",".join(items), b"]", after)
+            items.clear()
+        return msgspec.Raw(b"".join(out))
+
+
 def chat_completion(rid: str, created: int, model: str, text: str, finish: str | None,
                     usage: UsageInfo) -> ChatCompletion:
     return ChatCompletion(rid, "chat.completion", created, model,
@@ -77,7 +116,8 @@ def text_completion(rid: str, created: int, model: str, text: str, finish: str |
 
 def chat_completion_choices(rid: str, created: int, model: str,
                             outs: list[tuple[str, str | None]], usage: UsageInfo,
-                            logprobs: Sequence[ChatLogprobs | None] = ()) -> ChatCompletion:
+                            logprobs: Sequence[ChatLogprobs | msgspec.Raw | None] = ()
+                            ) -> ChatCompletion:
     """Several choices, `outs[index] = (text, finish_reason)`."""
     lps = list(logprobs) or [None] * len(outs)
     return ChatCompletion(rid, "chat.completion", created, model,
@@ -87,7 +127,8 @@ def chat_completion_choices(rid: str, created: int, model: str,
 
 def text_completion_choices(rid: str, created: int, model: str,
                             outs: list[tuple[str, str | None]], usage: UsageInfo,
-                            logprobs: Sequence[CompletionLogprobs | None] = ()) -> Completion:
+                            logprobs: Sequence[CompletionLogprobs | msgspec.Raw | None] = ()
+                            ) -> Completion:
     lps = list(logprobs) or [None] * len(outs)
     return Completion(rid, "text_completion", created, model,
                       [CompletionChoice(i, text, lps[i], fin)

@@ -309,14 +309,10 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
         await w.body(b"".join(out), more=False)
         return
     outs = [(st.text, st.finish) for st in states]
-    lps = [st.take_logprobs() if isinstance(st, RichChoiceState) else None for st in states]
+    lps = [st.body_logprobs() if isinstance(st, RichChoiceState) else None for st in states]
     body: schemas.ChatCompletion | schemas.Completion
     if job.kind == "chat":
-        body = api.chat_completion_choices(
-            rid, created, job.model, outs, usage,
-            [x if isinstance(x, schemas.ChatLogprobs) else None for x in lps])
+        body = api.chat_completion_choices(rid, created, job.model, outs, usage, lps)
     else:
-        body = api.text_completion_choices(
-            rid, created, job.model, outs, usage,
-            [x if isinstance(x, schemas.CompletionLogprobs) else None for x in lps])
+        body = api.text_completion_choices(rid, created, job.model, outs, usage, lps)
     await w.reply(200, _encode(body), JSON)

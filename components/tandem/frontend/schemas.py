@@ -155,7 +155,7 @@ class ResponseMessage(msgspec.Struct):
 class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
-    logprobs: ChatLogprobs | None
+    logprobs: ChatLogprobs | msgspec.Raw | None  # Raw: rendered already (openai_api.LogprobsJson)
     finish_reason: str | None
 
 
@@ -192,7 +192,7 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: CompletionLogprobs | None
+    logprobs: CompletionLogprobs | msgspec.Raw | None  # Raw: as in ChatChoice
     finish_reason: str | None
 
 

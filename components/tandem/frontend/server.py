@@ -21,6 +21,7 @@ the workers — and the listener closes. Access logs are off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from typing import Protocol
@@ -75,11 +76,11 @@ class UvicornServer:
         self.drain_timeout_s = drain_timeout_s
         self.reuse_port = reuse_port
         self._requested_port = port
-        lim = limits or HttpLimits.of(app.config)  # connection cap, head/idle deadlines
-        lim = HttpLimits(raise_fd_limit(lim.max_connections), lim.header_timeout_s,
-                         lim.idle_timeout_s, lim.body_timeout_s, lim.max_header_bytes)
+        lim = limits or HttpLimits.of(app.config)  # connection caps, head/idle deadlines
+        lim = dataclasses.replace(lim, max_connections=raise_fd_limit(lim.max_connections))
+        self.protocol = guarded_protocol(lim)
         self._config = uvicorn.Config(
-            app, http=guarded_protocol(lim), ws="none", loop="none", lifespan="off",
+            app, http=self.protocol, ws="none", loop="none", lifespan="off",
             interface="asgi3", access_log=False, log_level="warning", server_header=False,
             timeout_graceful_shutdown=1, timeout_keep_alive=max(1, round(lim.idle_timeout_s)),
             backlog=4096)

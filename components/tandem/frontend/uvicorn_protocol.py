@@ -1,10 +1,11 @@
 """tandem's uvicorn protocol: uvicorn's httptools protocol with the HTTP limits, offering the app
 one scope extension per request (`Extensions`) that writes now instead of awaiting.
 
-The limits (tandem.frontend.limits.HttpLimits) it enforces: a connection cap (503 and close),
-a deadline for each request head (408 and close) and a cap on its size (431 and close), for every
-request on a connection, pipelined ones too: the size is the head's as the parser reads it, and
-the bytes read while a head is unfinished. A request the parser refuses gets an OpenAI error body
+The limits (tandem.frontend.limits.HttpLimits) it enforces: a connection cap and a cap per client
+address (503 and close, at once: counted in `connection_made`), a deadline for each request head
+(408 and close) and a cap on its size (431 and close), for every request on a connection,
+pipelined ones too: the size is the head's as the parser reads it, and the bytes read while a
+head is unfinished. A request the parser refuses gets an OpenAI error body
 (uvicorn's own answer is plain text).
 
 The extension, `scope["extensions"][EXTENSIONS]`, has three calls, each what uvicorn's own ASGI
@@ -23,8 +24,8 @@ connection and tests/unit/test_frontend_server.py on a real one. What it reads:
   `disconnected`, `response_started`, `response_complete`, `chunked_encoding`, `scope["method"]`,
   `transport` (read, and replaced by a recorder for the length of one `start_nowait`), and its
   `send` coroutine, stepped by hand once;
-- of `HttpToolsProtocol` (subclassed): `cycle`, `connections`, `transport`, `loop`, and its
-  `connection_made`, `data_received`, `on_message_begin`, `on_url`, `on_header`,
+- of `HttpToolsProtocol` (subclassed): `cycle`, `connections`, `client`, `transport`, `loop`,
+  and its `connection_made`, `data_received`, `on_message_begin`, `on_url`, `on_header`,
   `on_headers_complete`, `on_response_complete` and `connection_lost`, each extended and called
   through, and `send_400_response`, replaced (uvicorn calls it when its parser raises, which a
   head past the cap makes it do).
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from tandem.frontend.limits import BAD, BIG, BUSY, SLOW, HttpLimits
+from tandem.frontend.limits import BAD, BIG, BUSY, CROWDED, SLOW, HttpLimits
 
 EXTENSIONS = "tandem.server"  # the scope extension: an `Extensions`
 
@@ -135,10 +136,15 @@ class Extensions:
 
 def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the limits (pass it as `uvicorn.Config(http=)`), offering
-    the app an `Extensions` in each request's scope extensions."""
+    the app an `Extensions` in each request's scope extensions. `Guarded.clients` counts the
+    open connections of each client address (of this server: one class per call)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+    per_client = limits.per_client
+
     class Guarded(HttpToolsProtocol):
+        clients: ClassVar[dict[str, int]] = {}  # client address -> its open connections
+        _client: str | None = None  # this connection's address, while it is counted
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False  # a request head has begun and not ended
         _head_bytes = 0  # bytes read while a head was unfinished
@@ -151,6 +157,12 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             if len(self.connections) > limits.max_connections:
                 self._refuse(BUSY)
                 return
+            addr = self.client[0] if self.client else ""
+            held = self.clients.get(addr, 0)
+            if held >= per_client:
+                self._refuse(CROWDED)
+                return
+            self.clients[addr], self._client = held + 1, addr
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -206,6 +218,13 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            addr, self._client = self._client, None
+            if addr is not None:
+                left = self.clients[addr] - 1
+                if left:
+                    self.clients[addr] = left
+                else:
+                    del self.clients[addr]
             cycle: Any = self.cycle
             ext, self._ext = self._ext, None
             super().connection_lost(exc)

@@ -171,6 +171,28 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_tokens
 
 
+def max_tokens_param(req: GenerateRequest) -> str:
+    """The name of the field that gave the request's max_tokens (see chat_max_tokens)."""
+    chat = isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+    return "max_completion_tokens" if chat else "max_tokens"
+
+
+def check_response_logprobs(req: GenerateRequest, opts: Options, max_tokens: list[int],
+                            limit: int) -> None:
+    """A non-streamed response is held whole until it is sent: the token logprobs it may carry
+    (over its choices, `max_tokens` each, times 1 + the alternatives per token) are at most
+    `limit` (--max-response-logprobs). A stream is written as it is made: no cap."""
+    if opts.stream or opts.logprobs is None:
+        return
+    most = sum(max_tokens) * (1 + opts.logprobs)
+    if most > limit:
+        param = max_tokens_param(req)
+        raise _bad(f"A response that is not streamed carries at most {limit} token logprobs; "
+                   f"this one could carry {most} ({len(max_tokens)} choice(s) of up to "
+                   f"{max(max_tokens)} tokens, each with {1 + opts.logprobs} logprobs). Lower "
+                   f"{param}, n or the logprobs asked for, or set stream to true.", param)
+
+
 def check_prompt_chars(n: int, param: str) -> None:
     if n > MAX_PROMPT_CHARS:
         raise PayloadTooLarge(f"The {param} have {n} characters; at most {MAX_PROMPT_CHARS}.",
@@ -179,8 +201,7 @@ def check_prompt_chars(n: int, param: str) -> None:
 
 def validate_chat(req: ChatCompletionRequest, vocab_size: int = 2**63) -> list[dict[str, Any]]:
     """Check a chat request; return its messages as plain dicts for the chat template."""
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    _check_common(req, chat_max_tokens(req), param, vocab_size)
+    _check_common(req, chat_max_tokens(req), max_tokens_param(req), vocab_size)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise _bad("top_logprobs needs logprobs to be true.", "top_logprobs")
@@ -293,8 +314,7 @@ def sampling_params(req: GenerateRequest, max_tokens: int | None, prompt_tokens:
         raise _bad(f"This model's maximum context length is {max_context} tokens. However, your "
                    f"request has {prompt_tokens} input tokens. Please reduce the length of the "
                    f"input.", "messages" if chat else "prompt")
-    param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and \
-        req.max_completion_tokens is not None else "max_tokens"
+    param = max_tokens_param(req)
     if max_tokens is None:
         max_tokens = max_context - prompt_tokens
         if default_max_tokens is not None:
