@@ -354,3 +354,36 @@ async def test_from_sigterm_a_worker_process_is_not_ready_and_reports_draining(
     finally:
         fe.close()
         p.kill()
+
+
+async def test_a_decode_worker_fetches_only_from_prefill_workers_its_frontend_announced(
+        mock_dir: str) -> None:
+    """A Generate naming a bootstrap address its frontend did not announce (Prefills) is refused
+    before the engine sees it: the decode side never connects there, never sends it its transfer
+    metadata or page addresses. Another frontend's announcement does not count. (Seen before: any
+    local process could make a decode worker hand its pages to a 'prefill' of its choosing.)"""
+    async with worker(mock_dir) as (server, engine, router):
+        server.info.role = "decode"  # (the check is the decode role's; the engine is not reached)
+        fe, other = Peer(router, b"fe"), Peer(router, b"other")
+        await fe.hello()
+        await other.hello()
+        before = transport.protocol_errors[("worker", "bootstrap not announced")]
+        bad = transport.protocol_errors[("worker", "bad prefills")]
+        await other.send(wire.Prefills(["10.9.9.9:7200"]))
+        await fe.send(wire.Prefills(["127.0.0.1:7200"]))
+        sp = SamplingParams(max_tokens=4)
+        await fe.send(Generates([Generate("evil", [5, 6], sp, wire.Bootstrap("10.9.9.9", 7200, 1)),
+                                 Generate("bad-port", [5, 6], sp,
+                                          wire.Bootstrap("127.0.0.1", 7201, 2))]))
+        last = await fe.until_finished({"evil", "bad-port"})
+        for rid in ("evil", "bad-port"):
+            assert (last[rid].finish_reason, last[rid].error_kind) == ("error",
+                                                                       ErrorKind.BAD_REQUEST)
+            assert "not one this frontend announced" in last[rid].error
+        assert engine.seen == []
+        assert transport.protocol_errors[("worker", "bootstrap not announced")] - before == 2
+        await fe.send(wire.Prefills(["x" * 300 + ":1"]))  # refused, counted; the last set stands
+        await until(lambda: transport.protocol_errors[("worker", "bad prefills")] == bad + 1)
+        assert server.frontends.announced(b"fe", "127.0.0.1:7200")
+        fe.close()
+        other.close()

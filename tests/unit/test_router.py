@@ -396,3 +396,19 @@ async def test_the_aborts_of_one_pass_leave_as_one_message_after_its_generates()
     await handles[2].__aexit__(None, None, None)
     await asyncio.sleep(0)
     assert sent(c)[2:] == [Abort([handles[2].rid])]
+
+
+def test_decode_workers_learn_the_prefill_workers_this_frontend_uses() -> None:
+    """On its handshake a decode worker is told the prefill workers' bootstrap addresses (it
+    fetches KV only from those); a prefill worker that (re)joins, at a new address too, is
+    announced to every decode worker that is up, before any request could name it."""
+    from tandem.runtime import wire
+
+    pool, workers = memory_pool(["prefill", "decode", "decode", "agg"])
+    p, d0, d1, a = pool.links
+    announced = lambda c: [m.addresses for m in sent(c) if isinstance(m, wire.Prefills)]  # noqa
+    assert announced(d0) == announced(d1) == [["127.0.0.1:9"]]
+    assert announced(p) == announced(a) == []
+    p.on_message(wire.HelloReply(wire.PROTOCOL_VERSION, True, wire.WorkerInfo(
+        "w0", "prefill", "mock", "m", PAGE, 100, 4096, bootstrap_addr="127.0.0.1:7201")))
+    assert announced(d0)[-1] == announced(d1)[-1] == ["127.0.0.1:7201"]

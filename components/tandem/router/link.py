@@ -43,7 +43,7 @@ from tandem.runtime.config import HEARTBEAT_DEADLINE_S, HEARTBEAT_INTERVAL_S, LO
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.passes import PassBatcher
 from tandem.runtime.wire import (Abort, Credit, Deltas, ErrorKind, Generate, Generates, Hello,
-                                 HelloReply, Load, LoadQuery, LoadReport, WorkerInfo)
+                                 HelloReply, Load, LoadQuery, LoadReport, Prefills, WorkerInfo)
 
 log = logging.getLogger("tandem.router")
 
@@ -80,6 +80,7 @@ class WorkerLink:
         self.account = WorkerAccount()
         self.streak = FailureStreak()  # requests it failed in a row (placement passes it over)
         self.on_capacity: Callable[[], None] = _nothing
+        self.on_up: Callable[[WorkerLink], None] = lambda link: None  # each accepted handshake
         self.protocol_errors = 0  # deltas refused for a gap or an overlap
         self.last_seen = 0.0
         self._asking_since: float | None = None  # handshake unanswered since (said once)
@@ -217,6 +218,7 @@ class WorkerLink:
         self.info = msg.info
         self.state = "up"
         self._up.set()
+        self.on_up(self)
         self.on_capacity()
 
     def on_disconnected(self) -> None:
@@ -261,6 +263,11 @@ class WorkerLink:
     def _send_aborts(self, rids: list[str]) -> None:
         if self.state == "up":
             self._send_quietly(Abort(rids))
+
+    def announce(self, prefills: list[str]) -> None:
+        """Tell a decode worker the prefill workers (bootstrap host:port) this frontend uses: it
+        fetches KV only from those (before any Generate naming one: the channel keeps order)."""
+        self._send_quietly(Prefills(prefills))
 
     async def query_load(self) -> Load:
         """Ask the worker for its load now (with a deadline); the last known on timeout."""

@@ -104,6 +104,7 @@ class WorkerPool:
         link = WorkerLink(address, self.frontend_id, self._connect(address, self.frontend_id),
                           **self._link_options)
         link.on_capacity = self._on_capacity
+        link.on_up = self._on_up
         self.links.append(link)
         return link
 
@@ -240,6 +241,23 @@ class WorkerPool:
     def _count(self, *links: WorkerLink) -> None:
         for w in links:
             self.placed[w.address] = self.placed.get(w.address, 0) + 1
+
+    def _on_up(self, link: WorkerLink) -> None:
+        """A worker answered the handshake: a decode worker learns the prefill workers this
+        frontend uses; a prefill worker (new, or restarted on another port) is announced to every
+        decode worker that is up."""
+        role = link.info.role if link.info is not None else "agg"
+        if role == "decode":
+            link.announce(self._prefill_addresses())
+        elif role == "prefill":
+            addresses = self._prefill_addresses()
+            for w in self.links:
+                if w.usable and w.info is not None and w.info.role == "decode":
+                    w.announce(addresses)
+
+    def _prefill_addresses(self) -> list[str]:
+        infos = [w.info for w in self.links if w.info is not None]
+        return sorted({i.bootstrap_addr for i in infos if i.role == "prefill" and i.bootstrap_addr})
 
     def _on_capacity(self) -> None:
         if not len(self._admission):

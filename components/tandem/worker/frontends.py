@@ -25,12 +25,13 @@ from tandem.worker.outbox import Outbox
 class FrontendLink:
     """One frontend as a worker sees it."""
 
-    __slots__ = ("ident", "outbox", "last_heard")
+    __slots__ = ("ident", "outbox", "last_heard", "prefills")
 
     def __init__(self, ident: bytes, outbox: Outbox) -> None:
         self.ident = ident
         self.outbox = outbox
         self.last_heard = time.monotonic()  # when this frontend last sent anything
+        self.prefills: frozenset[str] = frozenset()  # bootstrap addresses it announced
 
     def silent_for(self, now: float) -> float:
         """How long it has owed credit without a word (0 when it owes nothing)."""
@@ -65,6 +66,15 @@ class Frontends:
         if link is not None:
             link.outbox.reset()
 
+    def announce(self, ident: bytes, prefills: frozenset[str]) -> None:
+        """The prefill workers' bootstrap addresses (host:port) this frontend uses."""
+        self._link(ident).prefills = prefills
+
+    def announced(self, ident: bytes, address: str) -> bool:
+        """Whether this frontend announced a prefill worker at `address` (host:port)."""
+        link = self._links.get(ident)
+        return link is not None and address in link.prefills
+
     def credit(self, ident: bytes, n: int) -> None:
         link = self._links.get(ident)
         if link is not None:
@@ -79,12 +89,18 @@ class Frontends:
     def emit_all(self, ident: bytes, deltas: list[Delta]) -> None:
         """Queue deltas for a frontend, in order; the next flush sends what its window allows."""
         link = self._links.get(ident)
-        if link is None:
+        if link is None:  # (`_link`, inline: once per step per frontend)
             link = self._links[ident] = FrontendLink(ident, Outbox(self.window, self.batch))
         box = link.outbox
         box.add_all(deltas)
         if box.in_flight < box.window or box.has_first:
             self._due.add(link)
+
+    def _link(self, ident: bytes) -> FrontendLink:
+        link = self._links.get(ident)
+        if link is None:
+            link = self._links[ident] = FrontendLink(ident, Outbox(self.window, self.batch))
+        return link
 
     def _flush_due(self, links: list[FrontendLink]) -> None:
         self._flush(dict.fromkeys(links), force=False)

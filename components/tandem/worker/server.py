@@ -17,10 +17,13 @@ every `Load` the worker reports says `draining`, so routers stop placing work he
 
 Nothing a peer sends can end the receive loop or reach the engine unchecked: undecodable frames
 are dropped by the transport; a `Generate` that fails tandem.worker.validate gets an error delta
-(BAD_REQUEST) and never reaches the engine; a `Credit` that is not positive is ignored (one above
-what is in flight is clamped); an `Abort` only ends requests the same connection (ZMQ identity)
-sent; a handler that still fails on some input drops that one message. Each is counted in `transport.protocol_errors` ("worker", what). The receive loop and the
-reaper are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
+(BAD_REQUEST) and never reaches the engine; so does, on a decode worker, a `Generate` whose
+bootstrap is not a prefill worker its frontend announced (`Prefills`): the decode side connects,
+sends its transfer metadata and opens its pages only to those; a `Credit` that is not positive is
+ignored (one above what is in flight is clamped); an `Abort` only ends requests the same
+connection (ZMQ identity) sent; a handler that still fails on some input drops that one message.
+Each is counted in `transport.protocol_errors` ("worker", what). The receive loop and the reaper
+are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
 """
 
 from __future__ import annotations
@@ -50,11 +53,12 @@ from tandem.runtime.wire import (
     Load,
     LoadQuery,
     LoadReport,
+    Prefills,
     WorkerInfo,
 )
 from tandem.worker.deltas import DeltaMaker
 from tandem.worker.frontends import Frontends
-from tandem.worker.validate import MAX_RID_CHARS, Limits, check_generate
+from tandem.worker.validate import MAX_RID_CHARS, Limits, check_generate, check_prefills
 
 log = logging.getLogger("tandem.worker")
 
@@ -223,6 +227,11 @@ class WorkerServer:
             self._send(ident, LoadReport(msg.seq, self.load()))
         elif isinstance(msg, Hello):
             self._on_hello(ident, msg)
+        elif isinstance(msg, Prefills):
+            why = check_prefills(msg.addresses)
+            if why is not None:
+                return transport.refused("worker", "bad prefills", log, why)
+            self.frontends.announce(ident, frozenset(msg.addresses))
 
     def _on_credit(self, ident: bytes, n: int) -> None:
         if n <= 0:  # would grow what is in flight and close the window for good
@@ -252,6 +261,12 @@ class WorkerServer:
             return refuse(ErrorKind.BAD_REQUEST, why)
         if msg.rid in self._requests:
             return refuse(ErrorKind.DUPLICATE, "duplicate request id")
+        b = msg.bootstrap
+        if (b is not None and self.info.role == "decode"
+                and not self.frontends.announced(ident, f"{b.host}:{b.port}")):
+            transport.refused("worker", "bootstrap not announced", log, f"{b.host}:{b.port}")
+            return refuse(ErrorKind.BAD_REQUEST, f"prefill bootstrap {b.host}:{b.port} is not "
+                          "one this frontend announced (Prefills)")
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap, msg.resume_offset)
         try:
             handle = self.engine.submit(req, self)

@@ -57,6 +57,20 @@ def check_prompt(ids: list[int], limits: Limits) -> str | None:
     return None
 
 
+MAX_PREFILLS = 4096  # prefill workers one frontend may announce
+
+
+def check_prefills(addresses: list[str]) -> str | None:
+    """A frontend's `Prefills`: a bounded list of host:port strings."""
+    if len(addresses) > MAX_PREFILLS:
+        return f"more than {MAX_PREFILLS} prefill workers announced"
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or len(host) > MAX_HOST_CHARS or not port.isdigit() or len(port) > 5:
+            return "a prefill address is not host:port"
+    return None
+
+
 def check_bootstrap(b: Bootstrap) -> str | None:
     if not b.host or len(b.host) > MAX_HOST_CHARS:
         return "bootstrap host is empty or too long"

@@ -24,8 +24,9 @@ import msgspec
 # them silently: the handshake refuses it instead). 5: KvRooms and KvDones (a bootstrap socket's
 # messages of one loop pass, in one). 6: no type frame before the payload (its tag is inside).
 # 7: one form per batched message: KvRooms, KvDones and KvCancel always carry a list (a lone
-# KvRoom or KvDone no longer travels on its own).
-PROTOCOL_VERSION = 7
+# KvRoom or KvDone no longer travels on its own). 8: `Prefills` (a decode worker fetches KV only
+# from prefill workers the frontend that sent the request announced).
+PROTOCOL_VERSION = 8
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -202,6 +203,14 @@ class Hello(Message, tag=1):
     frontend_id: str
 
 
+class Prefills(Message, tag=10):
+    """The bootstrap addresses (host:port) of the prefill workers this frontend uses: a decode
+    worker fetches a request's KV only from one the request's frontend announced. Each sending
+    replaces the last; a frontend sends it after the handshake and whenever the set changes."""
+
+    addresses: list[str]
+
+
 class Generates(Message, tag=9):
     """The requests a frontend placed on one worker during one event loop pass, in one message."""
 
@@ -290,7 +299,7 @@ class KvDone(_Msg):
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
-ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit]
+ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit, Prefills]
 ToFrontend = Union[HelloReply, Deltas, LoadReport]
 
 
