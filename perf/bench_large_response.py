@@ -1,13 +1,15 @@
-"""What one large non-streamed response costs the rest of the server: a mock-engine agg cluster,
-one chat request with many choices and top logprobs (by default the issue's n=64,
-top_logprobs=20, max_tokens 2000, ignore_eos), and meanwhile GET /health every 10 ms on its own
-keep-alive connection. Reports the request's status, size and time, /health latency while it ran
+"""What one large request costs the rest of the server: a mock-engine agg cluster, one chat request
+with many choices and top logprobs (by default the issue's n=64, top_logprobs=20, max_tokens 2000,
+ignore_eos), or with --prompt-chars one request with a prompt that long to --path (/tokenize,
+/v1/completions or /v1/chat/completions: its templating and tokenizing), and meanwhile GET /health
+every 10 ms on its own keep-alive connection. Reports the request's status, size and time, /health latency while it ran
 (p50, p99, max) and the frontend's resident memory (before, peak). Writes OUT.json and OUT.md
 (default perf/results/large_response_run; the recorded comparison is perf/results/
 large_response.md).
 
     .venv/bin/python perf/bench_large_response.py [--max-tokens 2000] [--n 64] [--top 20] \
         [--stream] [--repeats 3] [--frontend-args "--max-response-logprobs 3000000"]
+    .venv/bin/python perf/bench_large_response.py --path /tokenize --prompt-chars 3900000
     # the same against another tree's server code (the load side stays this tree's):
     git archive COMMIT runtime components | tar -x -C /tmp/base
     TANDEM_SERVER_PYTHONPATH=/tmp/base/runtime:/tmp/base/components .venv/bin/python ...
@@ -70,7 +72,7 @@ async def _rss(pid: int, stop: asyncio.Event, out: list[int]) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _run(port: int, frontend_pid: int, body: bytes) -> dict:
+async def _run(port: int, frontend_pid: int, path: str, body: bytes) -> dict:
     stop = asyncio.Event()
     lat: list[float] = []
     rss: list[int] = []
@@ -81,8 +83,8 @@ async def _run(port: int, frontend_pid: int, body: bytes) -> dict:
     lat.clear()
     r, w = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.perf_counter()
-    w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-            b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    w.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
     status, data = await _read_response(r)
     took = time.perf_counter() - t0
     w.close()
@@ -107,17 +109,29 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="the same request streamed (SSE)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--frontend-args", default="", help="extra frontend flags")
+    ap.add_argument("--path", default="/v1/chat/completions", help="where the request goes")
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="instead: one request whose prompt (or chat message) is this long")
     ap.add_argument("--out", default=str(ROOT / "perf/results/large_response_run"))
     args = ap.parse_args()
     body = json.dumps({"model": served_name(args.model), "n": args.n, "logprobs": True,
                        "top_logprobs": args.top, "max_tokens": args.max_tokens,
                        "ignore_eos": True, "stream": args.stream,
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
+    if args.prompt_chars:
+        text = ("hello there, a long prompt. " * (args.prompt_chars // 28 + 1))[:args.prompt_chars]
+        req: dict = {"model": served_name(args.model), "max_tokens": 1}
+        if args.path.endswith("chat/completions"):
+            req["messages"] = [{"role": "user", "content": text}]
+        else:
+            req["prompt"] = text
+        body = json.dumps(req).encode()
     log_dir = tempfile.mkdtemp(prefix="tandem-large-response-")
     cluster = launch("agg", args.model, log_dir, [], args.frontend_args.split())
     try:
         pid = cluster.procs["frontend"].pid
-        rows = [asyncio.run(_run(cluster.port, pid, body)) for _ in range(args.repeats)]
+        rows = [asyncio.run(_run(cluster.port, pid, args.path, body))
+                for _ in range(args.repeats)]
     finally:
         cluster.stop()
     server = os.environ.get("TANDEM_SERVER_PYTHONPATH", "this tree")
@@ -127,8 +141,10 @@ def main() -> None:
         json.dump({"argv": sys.argv, "server_code": server, "rows": rows}, f, indent=1)
     keys = list(rows[0])
     mode = "streamed" if args.stream else "non-streamed"
-    lines = [f"# One {mode} chat request, n={args.n}, top_logprobs={args.top}, "
-             f"max_tokens={args.max_tokens}, /health every 10 ms meanwhile", "",
+    what = (f"POST {args.path} with a prompt of {args.prompt_chars} characters"
+            if args.prompt_chars else f"One {mode} chat request, n={args.n}, "
+            f"top_logprobs={args.top}, max_tokens={args.max_tokens}")
+    lines = [f"# {what}, /health every 10 ms meanwhile", "",
              f"    {' '.join(sys.argv)}", f"    server code: {server}", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]

@@ -5,8 +5,11 @@ Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON), GET /v1/
 registry shared with the pool, through prometheus_client) and /workers (the pool's snapshot). Every
 error is an OpenAI error body.
 
-Templating and tokenizing a large prompt (over THREAD_CHARS characters) runs in a thread, so the
-event loop (and the workers' heartbeats it answers) never waits on it. Every request ends with one
+Templating and tokenizing a large prompt runs in a thread, so the event loop (and the workers'
+heartbeats it answers) never waits long on it: each step is sized by its own work (a template by
+the characters of its messages plus MESSAGE_COST for each message, a tokenization by the length of
+the text it tokenizes, a detokenization by its ids), and a step past THREAD_CHARS runs in a
+thread through the tokenizer's calls that release the GIL (tandem.frontend.preprocess). Every request ends with one
 access line, and a summary line is logged every `--log-stats-interval` seconds
 (tandem.frontend.access).
 
@@ -20,6 +23,7 @@ request handles at once, which aborts them on the workers and frees their pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -43,7 +47,8 @@ from tandem.runtime.wire import SamplingParams
 
 log = logging.getLogger("tandem.frontend")
 MAX_BODY_BYTES = 32 * 1024 * 1024
-THREAD_CHARS = 16_384  # prompts longer than this are templated and tokenized in a thread
+THREAD_CHARS = 16_384  # work (characters, or their equivalent) past which a step runs in a thread
+MESSAGE_COST = 64  # a chat message costs the template this many characters' work, empty or not
 _encode = msgspec.json.Encoder().encode
 
 
@@ -223,9 +228,9 @@ class FrontendApp:
             max_tokens = validate.chat_max_tokens(req)
             default_max: int | None = None  # vLLM: the rest of the context
             max_context = self._max_context()
-            chars = sum(len(m["content"] or "") for m in messages)
-            prompts = [await _maybe_thread(chars, pre.encode_chat, messages, req.tools,
-                                           req.chat_template_kwargs)]
+            text = await _maybe_thread(_template_work(messages), pre.render_chat, messages,
+                                       req.tools, req.chat_template_kwargs, gil=True)
+            prompts = [await _maybe_thread(len(text), pre.encode_rendered, text)]
         else:
             req = validate.decode_request(body, schemas.CompletionRequest)
             validate.check_model(req, self.model_name)
@@ -234,7 +239,7 @@ class FrontendApp:
             default_max = self.config.default_max_tokens
             max_context = self._max_context()
             chars = sum(len(p) for p in texts if isinstance(p, str))
-            prompts = await _maybe_thread(chars, lambda: [pre.encode_prompt(p) for p in texts])
+            prompts = await _maybe_thread(chars, pre.encode_prompts, texts)
         opts = validate.options(req)
         choices: list[ChoiceSpec] = []
         for p, prompt_ids in enumerate(prompts):
@@ -317,22 +322,21 @@ class FrontendApp:
         if req.prompt is not None:
             prompt = req.prompt
             validate.check_prompt_chars(len(prompt), "prompt")
-            ids = await _maybe_thread(len(prompt), lambda: pre.tokenizer.encode(
-                prompt, add_special_tokens=req.add_special_tokens is not False).ids)
+            ids = await _maybe_thread(len(prompt), pre.encode_text, prompt,
+                                      req.add_special_tokens is not False)
         else:
             messages = [validate.message_dict(m, i) for i, m in enumerate(req.messages or ())]
-            chars = sum(len(m["content"] or "") for m in messages)
-            validate.check_prompt_chars(chars, "messages")
-            text = await _maybe_thread(chars, pre.render_chat, messages, None, None,
-                                       req.add_generation_prompt is not False)
-            ids = await _maybe_thread(len(text), lambda: pre.tokenizer.encode(
-                text, add_special_tokens=bool(req.add_special_tokens)).ids)
+            validate.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
+            text = await _maybe_thread(_template_work(messages), pre.render_chat, messages, None,
+                                       None, req.add_generation_prompt is not False, gil=True)
+            ids = await _maybe_thread(len(text), pre.encode_text, text,
+                                      bool(req.add_special_tokens))
         return _encode(schemas.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
 
     async def _detokenize(self, body: bytes) -> bytes:
         req = validate.decode_request(body, schemas.DetokenizeRequest)
         validate.check_model(req, self.model_name)
-        text = await _maybe_thread(len(req.tokens), self.preprocessor.decode, req.tokens)
+        text = await _maybe_thread(len(req.tokens), self.preprocessor.decode, req.tokens, False)
         return _encode(schemas.DetokenizeResponse(text))
 
     async def _health(self, ex: ResponseWriter) -> None:
@@ -356,11 +360,19 @@ class FrontendApp:
 T = TypeVar("T")
 
 
-async def _maybe_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` here when `size` is small, else in a thread (the loop keeps serving)."""
+def _template_work(messages: list[dict[str, Any]]) -> int:
+    """What rendering the chat template over `messages` costs, in characters' worth."""
+    return sum(len(m["content"] or "") for m in messages) + MESSAGE_COST * len(messages)
+
+
+async def _maybe_thread(size: int, fn: Callable[..., T], *args: Any, gil: bool = False) -> T:
+    """`fn(*args)` here when `size` is small, else in a thread, so the loop keeps serving: as
+    `fn(*args, release_gil=True)` (a tokenizer's call, which would otherwise hold the GIL all
+    along), or with `gil` as it is (pure Python, which lets the loop run every switch interval)."""
     if size <= THREAD_CHARS:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    call = functools.partial(fn, *args) if gil else functools.partial(fn, *args, release_gil=True)
+    return await asyncio.to_thread(call)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

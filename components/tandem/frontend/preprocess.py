@@ -6,6 +6,12 @@ The template sees what transformers' `apply_chat_template` gives it: `messages`,
 `add_generation_prompt`, the special tokens by name, `raise_exception` and `strftime_now`. A
 rendered chat prompt is tokenized without adding special tokens (the template has them); a raw
 completions prompt is tokenized with them (vLLM does the same).
+
+Every call that tokenizes or detokenizes takes `release_gil`: the `tokenizers` library's single
+`encode`/`decode` hold the GIL for all of their work (a 3.9M-character prompt: 4-5 s, so a thread
+running one stalls the event loop as long), its batch calls release it while they work. A caller
+that runs a large one in a thread asks for the batch form (the loop then waits at most for the
+conversion of the ids to a list); a small one on the loop keeps the cheaper single call.
 """
 
 from __future__ import annotations
@@ -137,17 +143,30 @@ class Preprocessor:
             raise errors.BadRequest(f"Could not apply the chat template: {e}",
                                     param="messages") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.render_chat(messages, tools, template_kwargs)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_text(self, text: str, add_special_tokens: bool,
+                    release_gil: bool = False) -> list[int]:
+        """The one call that tokenizes (see the module docstring for `release_gil`)."""
+        if release_gil:
+            enc = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids
+
+    def encode_rendered(self, text: str, release_gil: bool = False) -> list[int]:
+        """A rendered chat prompt's ids (the template wrote its special tokens)."""
+        ids = self.encode_text(text, False, release_gil)
         if not ids:
             raise errors.BadRequest("The messages render to an empty prompt.", param="messages")
         return ids
 
-    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
+
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True,
+                      release_gil: bool = False) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+            ids = self.encode_text(prompt, add_special_tokens, release_gil)
         else:
             for t in prompt:
                 if t >= self.vocab_size:
@@ -159,11 +178,20 @@ class Preprocessor:
             raise errors.BadRequest("prompt must not be empty.", param="prompt")
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def encode_prompts(self, prompts: list[str | list[int]],
+                       release_gil: bool = False) -> list[list[int]]:
+        """A completions request's prompts (text or ids) as ids."""
+        return [self.encode_prompt(p, release_gil=release_gil) for p in prompts]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               release_gil: bool = False) -> str:
         """Token ids -> text (/detokenize, completions `echo`); ids must be in the vocabulary."""
         for t in ids:
             if not 0 <= t < self.vocab_size:
                 raise errors.BadRequest(
                     f"Token id {t} is out of range: the vocabulary has {self.vocab_size} "
                     f"tokens.", param="tokens")
+        if release_gil:
+            return str(self.tokenizer.decode_batch([ids],
+                                                   skip_special_tokens=skip_special_tokens)[0])
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
