@@ -315,3 +315,31 @@ async def test_a_request_a_draining_worker_ends_moves_like_one_it_lost(with_toke
     assert w0.streak.count == 0  # a drain is not a failure of the worker
     await h.__aexit__(None, None, None)
     assert metric(pool, "tandem_request_migrations_total") == 1
+
+
+async def test_pd_a_kv_handoff_that_fails_moves_to_a_new_pair() -> None:
+    """The decode worker's KV did not come (here the prefill worker died, and the decode side's
+    connection saw it before this frontend's link to that worker did): the request moves to a new
+    pair, as it does when the prefill worker's loss is seen first. (Seen before: that race turned
+    two requests of a prefill death into 502s instead of moves.)"""
+    pool, workers = memory_pool(["prefill", "prefill", "decode"])
+    p0, p1, d = pool.links
+    h = await placed(pool)
+    assert h.workers == (d.address, p0.address)
+    [g0] = generates(workers, d.address)
+    d.on_deltas(Deltas([Delta(g0.rid, 0, [], "error", error="room 7: prefill failed: prefill "
+                              "worker at 127.0.0.1:9 disconnected",
+                              error_kind=ErrorKind.KV_TRANSFER)]))
+    p0.on_disconnected()  # (its link sees the loss later)
+    await settle()
+    [g1] = generates(workers, p1.address)
+    assert generates(workers, d.address)[1:] == [g1] and g1.rid != g0.rid
+    assert g1.bootstrap is not None and g0.bootstrap is not None
+    assert g1.bootstrap.room != g0.bootstrap.room
+    p1.on_deltas(Deltas([Delta(g1.rid, 0, [10], "length", Usage(3, 1))]))
+    d.on_deltas(Deltas([Delta(g1.rid, 0, [10, 11, 12, 13, 14, 15], "length", Usage(3, 6))]))
+    rest = [x async for x in deltas_of(h)]
+    assert [t for x in rest for t in x.token_ids] == [10, 11, 12, 13, 14, 15]
+    assert rest[-1].finish_reason == "length"
+    await h.__aexit__(None, None, None)
+    assert metric(pool, "tandem_request_migrations_total") == 1

@@ -58,9 +58,11 @@ async def test_gap_or_overlap_fails_loudly_and_aborts(second_offset: int) -> Non
     assert await aborts(workers, link.address) == [h.rid]
 
 
-@pytest.mark.parametrize("kind", [k for k in ErrorKind if k is not ErrorKind.DRAINING])
+@pytest.mark.parametrize("kind", [k for k in ErrorKind
+                                  if k not in (ErrorKind.DRAINING, ErrorKind.KV_TRANSFER)])
 async def test_error_delta_reaches_the_reader_with_its_kind(kind: ErrorKind) -> None:
-    """(A worker shutting down ends requests DRAINING: those move, tests/unit/test_migration.)"""
+    """(A worker shutting down, or a KV handoff that failed: those requests move instead,
+    tests/unit/test_migration.py.)"""
     pool, workers = memory_pool(["agg"])
     link = pool.links[0]
     async with await placed(pool) as h:
@@ -91,12 +93,12 @@ async def test_pd_prefill_error_fails_the_request_and_aborts_decode() -> None:
     async with await placed(pool) as h:
         assert h.workers == (d.address, p.address)
         d.on_deltas(Deltas([Delta(h.rid, 0, [5])]))
-        p.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="no room",
-                                  error_kind=ErrorKind.KV_TRANSFER)]))
+        p.on_deltas(Deltas([Delta(h.rid, 0, [], "error", error="engine broke",
+                                  error_kind=ErrorKind.ENGINE)]))
         got = [x async for x in deltas_of(h)]
     assert [(x.token_ids, x.finish_reason, x.error_kind) for x in got] == [
-        ([5], "error", ErrorKind.KV_TRANSFER)]  # the text before the failure is kept
-    assert "prefill failed: no room" in got[0].error
+        ([5], "error", ErrorKind.ENGINE)]  # the text before the failure is kept
+    assert "prefill failed: engine broke" in got[0].error
     assert await aborts(workers, d.address) == [h.rid] and await aborts(workers, p.address) == []
     assert p.num_in_flight == d.num_in_flight == 0
 

@@ -90,6 +90,11 @@ class RequestOptions:
             "Requests ended because they passed their end-to-end deadline.")
 
 
+# A worker's error kinds that move a request (to other workers, within --max-migrations) instead
+# of failing it, with what the move says of them.
+_MOVED = {ErrorKind.DRAINING: "shutting down", ErrorKind.KV_TRANSFER: "the KV handoff failed"}
+
+
 class Leg(Share):
     """The request on one worker. `reads`: its deltas are the client's (agg or decode)."""
 
@@ -121,11 +126,13 @@ class Leg(Share):
         self.received += len(d.token_ids)
         fin = d.finish_reason
         if fin is not None:
-            if fin == "error" and d.error_kind is ErrorKind.DRAINING:
-                # The worker is shutting down (it refused the request, or its drain deadline
-                # ended it): a graceful restart moves the request like a crash would.
+            if fin == "error" and d.error_kind in _MOVED:
+                # The worker is shutting down (it refused the request, or its drain deadline ended
+                # it): a graceful restart moves the request like a crash would. Or its KV did not
+                # come (the prefill worker died, which its own link may not have seen yet): a new
+                # pair serves it, as when the prefill worker's loss is seen first.
                 self.over = True  # (it ended there: nothing to abort)
-                why = f"worker {self.link.address} is shutting down ({d.error})"
+                why = f"worker {self.link.address}: {_MOVED[d.error_kind]} ({d.error})"
                 if self.reads and d.token_ids:  # (tokens merged into its last delta)
                     h.tokens += d.token_ids
                     d = msgspec.structs.replace(d, finish_reason=None, usage=None, error="",
