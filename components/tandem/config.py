@@ -192,6 +192,19 @@ class MockTiming:
     kv_bytes_per_s: float = opt(0.0, "simulated KV transfer rate in bytes/s (0 = instant)",
                                 type=non_negative_float)
 
+    @classmethod
+    def of(cls, cfg: MockTiming) -> MockTiming:
+        """This section of a config that holds it (a WorkerConfig), on its own."""
+        return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
+
+    def step_cost(self, num_prompt_tokens: int, num_decoding: int) -> float:
+        """Seconds a mock engine step costs: the fixed delay, the prompt tokens it admits, and,
+        when it decodes, the decode step and each sequence it decodes."""
+        us = self.mock_prefill_us_per_token * num_prompt_tokens
+        if num_decoding:
+            us += self.mock_decode_step_us + self.mock_decode_us_per_seq * num_decoding
+        return self.step_delay_ms / 1e3 + us / 1e6
+
 
 @dataclass(frozen=True)
 class WorkerConfig(MockTiming, Common):

@@ -25,7 +25,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.config import WorkerConfig
+from tandem.config import MockTiming, WorkerConfig
 from tandem.engines.base import EngineRequest, Handle, OutputSink
 from tandem.engines.mock import MockEngine
 from tandem.runtime import transport, wire
@@ -98,7 +98,8 @@ class Peer:
 async def worker(mock_dir: str, **cfg: Any) -> AsyncIterator[tuple[WorkerServer, SpyEngine, str]]:
     port = free_port()
     config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)
-    engine = SpyEngine(mock_dir, page_size=16, num_pages=256, max_batch=16, step_delay_s=0.002)
+    engine = SpyEngine(mock_dir, page_size=16, num_pages=256, max_batch=16,
+                       timing=MockTiming(step_delay_ms=2))
     await engine.start()
     server = WorkerServer(config, engine, WorkerInfo("w", "agg", "mock", "m", 16, 256, 4096))
     stop = asyncio.Event()

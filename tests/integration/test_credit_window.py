@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from tandem.engines.mock import MockEngine, mock_token
 from tandem.runtime import wire
-from tandem.config import WorkerConfig
+from tandem.config import MockTiming, WorkerConfig
 from tandem.runtime.wire import Credit, Deltas, Generate, Hello, HelloReply, SamplingParams
 from tandem.worker.server import WorkerServer
 from tests.cluster import free_port
@@ -65,7 +65,8 @@ class Frontend:
 async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServer, Frontend]]:
     port = free_port()
     config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)  # type: ignore[arg-type]
-    engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64, step_delay_s=0.002)
+    engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64,
+                        timing=MockTiming(step_delay_ms=2))
     await engine.start()
     from tandem.runtime.wire import WorkerInfo
 
