@@ -18,8 +18,10 @@ Nothing a peer sends can end the receive loop or reach the engine unchecked: und
 are dropped by the transport; a `Generate` that fails tandem.worker.validate gets an error delta
 (BAD_REQUEST) and never reaches the engine; a `Credit` that is not positive is ignored (one above
 what is in flight is clamped); an `Abort` only ends requests the same connection (ZMQ identity)
-sent; a handler that still fails on some input drops that one message. Each is counted in `transport.protocol_errors` ("worker", what). The receive loop and the
-reaper are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
+sent; a handler that still fails on some input drops that one message. Each is counted in
+`transport.protocol_errors` ("worker", what), and so is each peer whose security handshake failed
+(no keys, or another cluster's: it never gets to send a message). The receive loop, the reaper and
+that count are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
 """
 
 from __future__ import annotations
@@ -106,12 +108,14 @@ class WorkerServer:
         return msgspec.structs.replace(load, draining=True) if self._draining else load
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._sock = transport.router(self.address)
+        self._sock = transport.router(self.address, watch=transport.REFUSALS)
         log.info("worker %s (%s, %s) listening on %s", self.info.name, self.info.role,
                  self.info.engine, self.address)
         tasks = TaskGroup(supervised=True)  # without these the worker is useless: a death is fatal
         tasks.spawn(self._recv_loop(), name="worker-recv")
         tasks.spawn(self._reap_silent_frontends(), name="worker-reaper")
+        tasks.spawn(transport.count_refused_handshakes(self._sock, "worker", log),
+                    name="worker-handshakes")
         try:
             await stop.wait()
             await self.drain(self.cfg.drain_timeout_s)

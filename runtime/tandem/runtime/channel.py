@@ -4,12 +4,13 @@ A `Channel[S, R]` sends messages of type S without awaiting (`send_nowait`; past
 raises `ChannelFull` rather than grow), yields the messages it receives (async iteration, each
 already decoded against the receiver's schema), says whether received messages are waiting unread
 (`unread()`: the reader is behind, the peer is not silent), and reports each time the connection to
-the peer drops (`disconnects()`).
+the peer drops (`disconnects()`: "", or why its security handshake failed).
 
 - `ZmqChannel`: a frontend's DEALER socket to one worker (tandem.runtime.transport: high-water
   marks, fair receive, bad frames dropped and counted).
 - `MemoryChannel`: one end of an in-memory pair (`memory_pair()`), for tests: optionally through
-  the wire encoding, with a bound, and a `disconnect()` to simulate a dropped connection.
+  the wire encoding, with a bound, and a `disconnect()` to simulate a dropped connection (or a
+  failed handshake).
 
 Protocol code (the router's WorkerLink) is written against `Channel` only, so it is tested without
 sockets (ARCHITECTURE.md, "Contracts").
@@ -47,7 +48,7 @@ class Channel(Protocol[S, R]):
 
     def unread(self) -> bool: ...
 
-    def disconnects(self) -> AsyncIterator[None]: ...
+    def disconnects(self) -> AsyncIterator[str]: ...
 
     def close(self) -> None: ...
 
@@ -58,7 +59,7 @@ class ZmqChannel(Generic[T, U]):
     def __init__(self, address: str, identity: bytes, decoder: wire.Decoder[U],
                  log: logging.Logger) -> None:
         self.address = address
-        self._sock = transport.dealer(address, identity)
+        self._sock = transport.dealer(address, identity, watch=transport.DISCONNECTS)
         self._decoder = decoder
         self._log = log
 
@@ -84,7 +85,7 @@ class ZmqChannel(Generic[T, U]):
     def unread(self) -> bool:
         return transport.readable(self._sock)
 
-    def disconnects(self) -> AsyncIterator[None]:
+    def disconnects(self) -> AsyncIterator[str]:
         return transport.disconnects(self._sock)
 
     def close(self) -> None:
@@ -100,7 +101,7 @@ class MemoryChannel(Generic[T, U]):
         self._wire = through_wire  # the PEER's decoder: messages cross the real encoding
         self._inbox: deque[U] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._drops: asyncio.Queue[None] = asyncio.Queue()
+        self._drops: asyncio.Queue[str] = asyncio.Queue()
         self._closed = False
 
     @property
@@ -141,16 +142,16 @@ class MemoryChannel(Generic[T, U]):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
-    async def disconnects(self) -> AsyncIterator[None]:
+    async def disconnects(self) -> AsyncIterator[str]:
         while True:
-            await self._drops.get()
-            yield None
+            yield await self._drops.get()
 
-    def disconnect(self) -> None:
-        """Simulate a dropped connection: both ends report it."""
-        self._drops.put_nowait(None)
+    def disconnect(self, why: str = "") -> None:
+        """Simulate a dropped connection (`why`: a failed handshake's reason): both ends report
+        it."""
+        self._drops.put_nowait(why)
         if self.peer is not None:
-            self.peer._drops.put_nowait(None)
+            self.peer._drops.put_nowait(why)
 
     def close(self) -> None:
         self._closed = True

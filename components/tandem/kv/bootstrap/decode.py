@@ -185,7 +185,8 @@ class DecodeSide:
             # not have seen leave yet (and a new connection is a new peer there: hello first).
             self._num_conns += 1
             sock = transport.dealer(f"tcp://{address}",
-                                    f"{self._ident}-{self._num_conns}".encode())
+                                    f"{self._ident}-{self._num_conns}".encode(),
+                                    watch=transport.DISCONNECTS)
             conn = _Conn(address, sock, asyncio.get_running_loop().create_future())
             self._conns[address] = conn
             self._tasks.spawn(self._recv_loop(conn), name=f"kv-recv {address}")
@@ -246,6 +247,7 @@ class DecodeSide:
 
     async def _watch(self, conn: _Conn) -> None:
         async with contextlib.aclosing(transport.disconnects(conn.sock)) as events:
-            async for _ in events:
-                self._drop(conn, f"prefill worker at {conn.address} disconnected")
+            async for why in events:
+                self._drop(conn, f"prefill worker at {conn.address} disconnected"
+                           + (f" ({why})" if why else ""))
                 return

@@ -9,7 +9,8 @@ before the mover sees it, and the mover adds the peer off the event loop, one at
 identity): a second peer's `KvRoom` for it is refused, and only the binding peer may `KvCancel`
 it. A reply to a peer that is gone (EHOSTUNREACH under ROUTER_MANDATORY) or not reading (EAGAIN)
 is skipped. Each refusal is counted in `transport.protocol_errors` ("bootstrap", what) and logged
-rate-limited; nothing a peer sends ends the loops, which are supervised (a death is fatal).
+rate-limited, as is each peer whose security handshake failed (no keys, or another cluster's);
+nothing a peer sends ends the loops, which are supervised (a death is fatal).
 At most MAX_PEERS peers are known at once (the least recently heard idle one makes room) and
 MAX_ROOMS rooms wait at once, so memory stays bounded whatever peers send.
 """
@@ -100,9 +101,12 @@ class PrefillSide:
         return f"{self.advertise_host}:{self.port}"
 
     async def start(self) -> None:
-        self._sock = transport.router(f"tcp://{self.host}:{self.port}")
+        self._sock = transport.router(f"tcp://{self.host}:{self.port}",
+                                      watch=transport.REFUSALS)
         self._loops.spawn(self._recv_loop(), name="kv-bootstrap")
         self._loops.spawn(self._expire_loop(), name="kv-expire")
+        self._loops.spawn(transport.count_refused_handshakes(self._sock, "bootstrap", log),
+                          name="kv-handshakes")
 
     async def close(self) -> None:
         await self._loops.close()
