@@ -2,8 +2,9 @@
 # launch/node.sh: one role of a tandem cluster spread over several nodes (see --help).
 #
 # Owns: the per-role defaults and checks of a multi-node deployment (bind 0.0.0.0, advertise an
-# address the other nodes can reach, a frontend needs the workers' addresses). Starting,
-# readiness, logs and cleanup are launch/single_node.sh's: this script runs it for one role.
+# address the other nodes can reach, a frontend needs the workers' addresses). The plan, GPUs,
+# starting, readiness, logs and cleanup are `tandem up`'s: this script runs it, through
+# launch/single_node.sh, for one role.
 set -euo pipefail
 
 PROG=${0##*/}
@@ -27,7 +28,7 @@ options
                            --host is a specific address)
   --host ADDR              bind address (default: 0.0.0.0)
   --auth-keys DIR          the cluster's CURVE key pair, the same on every node (write it once
-                           with \`tandem keys init DIR\` and copy it); required beyond loopback
+                           with \`tandem keys init DIR\` and copy it); required
   --count N                workers: how many on this node (default: 1)
   --tp N                   workers: GPUs per worker (default: 1)
   --gpus LIST | --cpu      workers: GPU ids to use (default: all), or none
@@ -42,7 +43,7 @@ options
   --frontends N            frontend: processes sharing --port (default: 1)
   --frontend-args 'ARGS'   frontend: extra flags
   --drain-timeout S, --ready-timeout S, --log-dir DIR, --tandem CMD, --dry-run
-                           as in single_node.sh
+                           as in single_node.sh (tandem up's flags)
   -h, --help               this text
 
 UCX (the NIXL KV transfer between prefill and decode nodes) reads its settings from the

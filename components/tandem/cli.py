@@ -2,8 +2,9 @@
 
 No flag is declared here: the worker, frontend and up parsers are generated from the config
 dataclasses (`tandem.config`, through `tandem.flags`). `tandem worker` parses its own flags first
-and keeps what is left for an engine that takes its own (`--engine sglang`): those land in
-`WorkerConfig.engine_args` untouched; with any other engine they are an error that names them.
+and keeps what is left (and what follows `--`) for an engine that takes its own (`--engine
+sglang`): those land in `WorkerConfig.engine_args` untouched; with any other engine they are an
+error that names them. `tandem up` passes them on to every worker the same way.
 Heavy modules (torch, the engines, the HTTP stack) are imported only by the command that runs.
 """
 
@@ -65,11 +66,12 @@ class _Parsers:
         self.frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
         flags.add_flags(self.frontend, flags.flags_of(FrontendConfig))
         self.up = sub.add_parser(
-            "up", allow_abbrev=False, help="start workers and frontends on this machine, wait "
+            "up", allow_abbrev=False, usage="%(prog)s --model DIR [flags] [-- engine flags]",
+            help="start workers and frontends on this machine, wait "
             "until ready, stop them all on Ctrl-C or SIGTERM",
             description="Start a whole cluster on this machine. Worker and frontend flags are "
             "forwarded to every worker and frontend; with --engine sglang, flags tandem does not "
-            "know go to every worker's engine.")
+            "know (and all that follow --) go to every worker's engine.")
         up.add_up_flags(self.up)
 
 
@@ -89,6 +91,8 @@ def parse(argv: list[str] | None = None) -> Command:
     """The command line as a Command; exits with status 2 and a message naming the problem."""
     p = _Parsers()
     ns, extra = p.root.parse_known_args(argv)
+    if "--" in extra:  # (what follows it is the engine's, as what tandem does not know is)
+        extra.remove("--")
     if ns.command == "worker":
         cfg = _config(p.worker, WorkerConfig, ns, engine_args=tuple(extra))
         return Command("worker", cfg, ns)

@@ -13,8 +13,9 @@ flag, a default or a help text):
 
 The chain: `Common` (what every process takes) -> `WorkerConfig` (with the mock engine's knobs,
 `MockTiming`, as a section of their own) / `FrontendConfig` (with a nested `RouterConfig`) /
-`UpConfig` (`tandem up`'s own flags; the worker and frontend flags it forwards come from the two
-configs above). The runtime's own defaults (sockets, heartbeats, GC) are in `tandem.runtime.config`.
+`UpConfig` (`tandem up`'s own flags, with `UpGpus` as a section; the worker and frontend flags it
+forwards come from the two configs above). The converters from text are `tandem.converters`. The
+runtime's own defaults (sockets, heartbeats, GC) are in `tandem.runtime.config`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from tandem.converters import (
+    address_list, gpu_list, key_dir, model_dir, non_negative_float, non_negative_int,
+    port, port_or_zero, positive_float, positive_int,
+)
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
 from tandem.runtime.wire import OutputMode, Role, SamplingParams
 
@@ -42,95 +47,6 @@ ENGINES = ("reference", "mock", "sglang")  # what a worker can run (tandem.engin
 PASSTHROUGH_ENGINES = ("sglang",)  # engines whose own flags pass through `tandem worker` untouched
 
 RETRY_AFTER_S = 1.0  # what a 503 from the router tells the client to wait
-
-
-# Converters: text from the command line -> a value, or ValueError saying what is wrong.
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text!r} is not a finite number")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {value}")
-    return value
-
-
-def port(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise ValueError(f"port {value} is out of range (1-65535)")
-    return value
-
-
-def port_or_zero(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError(f"port {value} is out of range (0-65535, 0 = none)")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise ValueError(f"must be more than 0, got {value:g}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {value:g}")
-    return value
-
-
-def model_dir(text: str) -> str:
-    if not os.path.isfile(os.path.join(text, "config.json")):
-        raise ValueError(f"{text!r} is not a model directory (no config.json); create a tiny one "
-                         f"with `tandem model init {text}`")
-    return text
-
-
-def key_dir(text: str) -> str:
-    """A directory holding a readable cluster key pair (checked as the flags are parsed, so a
-    missing or broken key is a clear usage error, not a failure at start-up)."""
-    from tandem.runtime.auth import AuthError, load_keys
-
-    if not text:  # (none: loopback only)
-        return text
-    try:
-        load_keys(text)
-    except AuthError as e:
-        raise ValueError(str(e)) from None
-    return text
-
-
-def address_list(text: str) -> tuple[str, ...]:
-    addrs = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not addrs:
-        raise ValueError("needs at least one address, e.g. tcp://127.0.0.1:7100")
-    return addrs
 
 
 def served_name(model: str) -> str:
@@ -173,8 +89,8 @@ class Common:
                                  "before they are ended", flag="--drain-timeout",
                                  type=non_negative_float)
     auth_keys: str = opt("", "directory holding the cluster's CURVE key pair (`tandem keys init "
-                         "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only)",
-                         type=key_dir, metavar="DIR")
+                         "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only; "
+                         "`tandem up` makes one unless --no-auth)", type=key_dir, metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -191,6 +107,19 @@ class MockTiming:
                                         type=non_negative_float)
     kv_bytes_per_s: float = opt(0.0, "simulated KV transfer rate in bytes/s (0 = instant)",
                                 type=non_negative_float)
+
+    @classmethod
+    def of(cls, cfg: MockTiming) -> MockTiming:
+        """This section of a config that holds it (a WorkerConfig), on its own."""
+        return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
+
+    def step_cost(self, num_prompt_tokens: int, num_decoding: int) -> float:
+        """Seconds a mock engine step costs: the fixed delay, the prompt tokens it admits, and,
+        when it decodes, the decode step and each sequence it decodes."""
+        us = self.mock_prefill_us_per_token * num_prompt_tokens
+        if num_decoding:
+            us += self.mock_decode_step_us + self.mock_decode_us_per_seq * num_decoding
+        return self.step_delay_ms / 1e3 + us / 1e6
 
 
 @dataclass(frozen=True)
@@ -340,28 +269,75 @@ class FrontendConfig(Common):
 
 
 @dataclass(frozen=True)
-class UpConfig(Common):
-    """tandem up: the cluster's shape and where it serves"""
+class UpGpus:
+    """tandem up: GPUs for the workers (each worker's CUDA_VISIBLE_DEVICES)"""
 
-    workers: int = opt(1, "number of aggregated workers, when no --prefill/--decode",
-                       type=positive_int)
-    prefill: int = opt(0, "number of prefill workers: with --decode, serve disaggregated (xPyD)",
-                       type=non_negative_int)
-    decode: int = opt(0, "number of decode workers: with --prefill, serve disaggregated (xPyD)",
-                      type=non_negative_int)
-    frontends: int = opt(1, "number of frontend processes sharing the HTTP port (SO_REUSEPORT)",
-                         type=positive_int)
+    gpus: tuple[str, ...] = opt((), "GPU ids to hand out in order, aggregated or prefill workers "
+                                "first, then decode; GPUs are handed out when this is given or a "
+                                "worker needs them (--engine sglang, --device cuda, a TP above 1) "
+                                "(default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
+                                type=gpu_list, metavar="LIST")
+    cpu: bool = opt(False, "hand out no GPUs: every worker gets an empty CUDA_VISIBLE_DEVICES "
+                    "(--engine mock or reference on CPU)")
+    tp: int = opt(1, "GPUs per worker, every role (SGLang gets it as --tp-size)", type=positive_int)
+    prefill_tp: int = opt(0, "GPUs per prefill worker (0 = --tp)", type=non_negative_int)
+    decode_tp: int = opt(0, "GPUs per decode worker (0 = --tp)", type=non_negative_int)
+
+    def tp_of(self, role: str) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 0) or self.tp
+
+
+@dataclass(frozen=True)
+class UpConfig(UpGpus, Common):
+    """tandem up: the cluster's shape, its ports, logs and keys"""
+
+    workers: int = opt(1, "number of aggregated workers, when no --prefill/--decode (0 = none: "
+                       "frontends for --worker-addresses only)", type=non_negative_int)
+    prefill: int = opt(0, "number of prefill workers: with --decode, serve disaggregated (xPyD); "
+                       "alone, one role of a cluster spread over nodes", type=non_negative_int)
+    decode: int = opt(0, "number of decode workers: with --prefill, serve disaggregated (xPyD); "
+                      "alone, one role of a cluster spread over nodes", type=non_negative_int)
+    frontends: int = opt(1, "number of frontend processes sharing the HTTP port (SO_REUSEPORT); "
+                         "0 = workers only", type=non_negative_int)
+    worker_addresses: tuple[str, ...] = opt(
+        (), "workers started elsewhere that the frontends also route to: tcp://HOST:PORT, or "
+        "dns://NAME:PORT for every address a name resolves to", type=address_list,
+        metavar="ADDR[,ADDR...]")
     port: int = opt(8000, "HTTP port of the frontend(s)", type=port)
-    worker_base_port: int = opt(0, "first worker port; workers (and prefill bootstrap sockets) "
-                                "take consecutive ports (0 = free ports)", type=port_or_zero)
+    advertise_host: str = opt("", "address other processes reach the workers at: the frontends' "
+                              "--workers, prefill bootstrap, NIXL (default: --host; 127.0.0.1 "
+                              "when --host is 0.0.0.0 or ::)", metavar="ADDR")
+    worker_base_port: int = opt(0, "first worker port; workers take consecutive ports, and so do "
+                                "prefill bootstrap sockets unless --bootstrap-base-port "
+                                "(0 = free ports)", type=port_or_zero)
+    bootstrap_base_port: int = opt(0, "first prefill worker's KV bootstrap port; prefill workers "
+                                   "count up from it (0 = as --worker-base-port says)",
+                                   type=port_or_zero)
+    health_base_port: int = opt(0, "first worker's health port (/live, /health, /metrics); "
+                                "workers count up from it (0 = free ports)", type=port_or_zero)
     ready_timeout_s: float = opt(120.0, "seconds to wait for the cluster to be ready",
                                  flag="--ready-timeout", type=positive_float)
+    log_dir: str = opt("", "write each process's output to DIR/NAME.log and the plan to "
+                       "DIR/plan.tsv (default: none, all to this terminal)", metavar="DIR")
+    no_auth: bool = opt(False, "make no key pair: workers accept any local process (loopback "
+                        "only). Without this or --auth-keys, up writes a new CURVE key pair into "
+                        "a private temporary directory, gives it to every process and removes it "
+                        "on exit")
+    dry_run: bool = opt(False, "print the plan, one tab-separated line per process (kind, name, "
+                        "role, GPUs, ports, address, log, then cmd= the command), and start "
+                        "nothing")
     demo: bool = opt(False, "once ready, stream one chat completion to the terminal, then keep "
                      "serving")
 
     def __post_init__(self) -> None:
-        if bool(self.prefill) != bool(self.decode):
-            raise ValueError("disaggregated serving needs both --prefill N and --decode M")
+        if self.cpu and self.gpus:
+            raise ValueError("--cpu and --gpus: choose one")
+        if self.no_auth and self.auth_keys:
+            raise ValueError("--no-auth and --auth-keys: choose one")
+        if not (self.auth_keys or self.no_auth) and (not self.frontends or self.worker_addresses):
+            raise ValueError("processes started elsewhere (--frontends 0, --worker-addresses) "
+                             "need this cluster's key pair: pass --auth-keys DIR, the same on "
+                             "every node (`tandem keys init DIR` once), or --no-auth on loopback")
 
 
 # Names other modules import; each is the field default above, not a second copy.

@@ -1,14 +1,16 @@
 """Local clusters: the one launcher `tandem up`, the tests (tests/cluster.py) and the sweeps
 (perf/launch.py) start tandem processes with.
 
-`plan()` turns a shape (aggregated workers, or prefill and decode workers) into the argv of every
-process, ports included; nothing runs yet, so a plan can be printed or tested. `LocalCluster.start()`
-checks that every port it was given is free, then starts the workers and the frontends as child
-processes of this one (`python -m tandem.cli ...`), each known by PID and stopped by PID: SIGTERM,
-a deadline, then SIGKILL. `wait_ready()` reports progress while workers come up, fails at once
-(with the child's name and exit code) if one dies, and checks through the frontend's `/workers`
-that the workers it reached are the ones this cluster started: a port taken by another cluster
-never goes unnoticed. A child stays restartable from its plan entry (`LocalCluster.restart`).
+`plan()` (tandem.plans, re-exported here) turns a shape into the argv of every process, ports
+included; nothing runs yet. `LocalCluster.start()` checks that every port it was given is free,
+then starts the workers and the frontends as child processes of this one (`python -m tandem.cli
+...`, each with its own environment additions: a worker's GPUs), each known by PID and stopped by
+PID: SIGTERM, a deadline, then SIGKILL (to its process group, when it leads one: what it started
+goes too). `wait_ready()` reports progress while workers come up, fails at once (with the child's
+name and exit code) if one dies, and checks through the frontend's `/workers` that the workers it
+reached at this cluster's addresses are the ones this cluster started: a port taken by another
+cluster never goes unnoticed. With no frontend, ready is every worker's `/health` answering 200. A
+child stays restartable from its plan entry (`LocalCluster.restart`).
 
 `LocalCluster.supervise(policy)`, called in a loop, does what an orchestrator would: a dead worker
 or frontend (whatever its exit status: the cluster is still meant to run) is started again on its
@@ -29,116 +31,19 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from tandem.ports import free_port as free_port  # (re-exported: tests and perf take it here)
+from tandem.plans import Child as Child, Kind as Kind, Plan as Plan, Shape as Shape
+from tandem.plans import plan as plan  # (re-exported: tests and perf take these here)
+from tandem.ports import free_port as free_port
 from tandem.ports import port_in_use
 
-Kind = Literal["worker", "frontend"]
+
+_PORT_FLAGS = "--port, --worker-base-port, --bootstrap-base-port, --health-base-port"
 
 
 class LaunchError(RuntimeError):
     """The cluster could not be started; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    agg: int = 0
-    prefill: int = 0
-    decode: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> Shape:
-        """"agg", "3agg", "1p1d", "2p4d" -> a shape."""
-        t = text.strip().lower()
-        if t.endswith("agg"):
-            return cls(agg=int(t[:-3] or 1))
-        p, sep, d = t.removesuffix("d").partition("p")
-        if not sep or not p.isdigit() or not d.isdigit() or t[-1:] != "d":
-            raise ValueError(f"shape {text!r} is not 'agg', 'Nagg' or 'XpYd'")
-        return cls(prefill=int(p), decode=int(d))
-
-    def roles(self) -> list[str]:
-        return ["agg"] * self.agg + ["prefill"] * self.prefill + ["decode"] * self.decode
-
-    def describe(self) -> str:
-        if self.agg:
-            return f"{self.agg} aggregated worker{'s' if self.agg > 1 else ''}"
-        return f"{self.prefill}P{self.decode}D"
-
-
-@dataclass(frozen=True)
-class Child:
-    name: str  # "prefill", "decode-1", "frontend"
-    kind: Kind
-    argv: tuple[str, ...]  # after `python -m tandem.cli`
-    ports: tuple[int, ...]  # every port it binds; the first is where it serves
-    address: str  # tcp://HOST:PORT (worker) or http://HOST:PORT (frontend)
-    worker_name: str = ""  # a worker's --name: how /workers shows it
-
-
-@dataclass(frozen=True)
-class Plan:
-    host: str
-    workers: tuple[Child, ...]
-    frontends: tuple[Child, ...]
-
-    @property
-    def url(self) -> str:
-        return self.frontends[0].address
-
-    @property
-    def children(self) -> tuple[Child, ...]:
-        return (*self.workers, *self.frontends)
-
-
-def plan(shape: Shape, model: str, *, host: str = "127.0.0.1", http_port: int = 0,
-         worker_base_port: int = 0, frontends: int = 1, worker_args: Sequence[str] = (),
-         frontend_args: Sequence[str] = (), cluster_id: str = "") -> Plan:
-    """Every process of a local cluster. Ports: `http_port` (0 = a free one) for the frontends
-    (several share it with SO_REUSEPORT); workers take consecutive ports from `worker_base_port`
-    (a prefill worker's bootstrap socket takes the next), or free ones if it is 0.
-    `worker_args`/`frontend_args` are appended to every worker's / frontend's argv."""
-    roles = shape.roles()
-    if not roles or (shape.agg and (shape.prefill or shape.decode)) or \
-            bool(shape.prefill) != bool(shape.decode):
-        raise ValueError(f"no cluster of shape {shape}: give agg workers, or prefill and decode")
-    cid = cluster_id or f"up{os.getpid()}"
-    counts = {r: roles.count(r) for r in set(roles)}
-    seen: dict[str, int] = {}
-    nxt = worker_base_port
-
-    def take() -> int:
-        nonlocal nxt
-        if not worker_base_port:
-            return free_port(host)
-        nxt += 1
-        if nxt - 1 > 65535:
-            raise ValueError(f"--worker-base-port {worker_base_port} leaves too few ports")
-        return nxt - 1
-
-    workers = []
-    for role in roles:
-        i = seen[role] = seen.get(role, -1) + 1
-        name = role if counts[role] == 1 else f"{role}-{i}"
-        ports: tuple[int, ...] = (take(),)
-        wname = f"{name}@{cid}"
-        argv = ["worker", "--model", model, "--role", role, "--host", host,
-                "--port", str(ports[0]), "--name", wname]
-        if role == "prefill":
-            ports += (take(),)
-            argv += ["--bootstrap-port", str(ports[1])]
-        workers.append(Child(name, "worker", (*argv, *worker_args), ports,
-                             f"tcp://{host}:{ports[0]}", wname))
-    http = http_port or free_port(host)
-    addrs = ",".join(w.address for w in workers)
-    fronts = []
-    for i in range(frontends):
-        argv = ["frontend", "--model", model, "--host", host, "--port", str(http),
-                "--workers", addrs, *(["--reuse-port"] if frontends > 1 else [])]
-        fronts.append(Child("frontend" if frontends == 1 else f"frontend-{i}", "frontend",
-                            (*argv, *frontend_args), (http,), f"http://{host}:{http}"))
-    return Plan(host, tuple(workers), tuple(fronts))
 
 
 @dataclass
@@ -149,6 +54,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     address: str = ""
     log_path: str = ""
+    group: bool = False  # it leads its own process group (and session)
 
     @property
     def pid(self) -> int:
@@ -162,8 +68,12 @@ class Proc:
         return self.popen.poll()
 
     def kill(self) -> None:
+        """SIGKILL, to its whole group when it leads one (an engine's own processes go too)."""
         if self.alive():
-            os.kill(self.pid, signal.SIGKILL)
+            try:
+                (os.killpg if self.group else os.kill)(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.popen.wait(10)
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -186,15 +96,20 @@ def spawn(name: str, argv: Sequence[str], *, log_dir: str = "", env: Mapping[str
           own_session: bool = False, address: str = "") -> Proc:
     """Start `python -m tandem.cli *argv`. Output goes to LOG_DIR/NAME.log, or to ours with no
     `log_dir`. `own_session`: Ctrl-C at the terminal reaches only us, and we stop it ourselves."""
-    cmd = [sys.executable, "-m", "tandem.cli", *argv]
+    cmd = command(argv)
     if not log_dir:
         p = subprocess.Popen(cmd, env=env, start_new_session=own_session)
-        return Proc(name, p, address)
+        return Proc(name, p, address, group=own_session)
     log_path = os.path.join(log_dir, f"{name}.log")
     with open(log_path, "ab") as out:  # (a restarted child's log follows its predecessor's)
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                              start_new_session=own_session)
-    return Proc(name, p, address, log_path)
+    return Proc(name, p, address, log_path, own_session)
+
+
+def command(argv: Sequence[str]) -> list[str]:
+    """The command line of a tandem process: this interpreter, `-m tandem.cli`, then `argv`."""
+    return [sys.executable, "-m", "tandem.cli", *argv]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -239,41 +154,62 @@ def describe_exit(p: Proc) -> str:
 class Progress:
     elapsed_s: float
     frontend_up: bool
-    workers_up: tuple[str, ...]  # worker names the frontend has a working connection to
+    workers_up: tuple[str, ...]  # worker names up: through the frontend, or their own /health
     workers_expected: tuple[str, ...]
+    via_frontend: bool = True  # False: no frontend; the workers' own /health says
+
+
+Probe = Callable[[], tuple[bool, tuple[str, ...]]]  # -> (frontend up, worker names up)
 
 
 def wait_ready(url: str, procs: Sequence[Proc], timeout: float, *,
-               expect_workers: Sequence[str] = (),
+               expect_workers: Mapping[str, str] | None = None,
                on_progress: Callable[[Progress], None] | None = None) -> None:
-    """Until `url` answers /health with 200 (and, given `expect_workers`, /workers shows every one
-    of those worker names up). Raises LaunchError when a process in `procs` exits, when a worker
-    the frontend reached is not one of `expect_workers`, or at the deadline."""
+    """Until `url` answers /health with 200 (and, given `expect_workers`, address -> name, /workers
+    shows each of them up). Raises LaunchError when a process in `procs` exits, when a worker the
+    frontend reached at one of those addresses is not the one expected, or at the deadline."""
+    expect = dict(expect_workers or {})
+
+    def probe() -> tuple[bool, tuple[str, ...]]:
+        health = healthy(url)
+        up = _workers_up(url, expect) if expect else ()
+        return health or bool(up), up
+
+    _wait(probe, procs, timeout, tuple(expect.values()), on_progress, needs_frontend=True)
+
+
+def wait_healthy(urls: Mapping[str, str], procs: Sequence[Proc], timeout: float, *,
+                 on_progress: Callable[[Progress], None] | None = None) -> None:
+    """Until every process in `urls` (name -> its HTTP base URL) answers /health with 200; raises
+    LaunchError when a process in `procs` exits, or at the deadline."""
+    _wait(lambda: (False, tuple(sorted(n for n, u in urls.items() if healthy(u)))), procs,
+          timeout, tuple(urls), on_progress, needs_frontend=False)
+
+
+def _wait(probe: Probe, procs: Sequence[Proc], timeout: float, expected: tuple[str, ...],
+          on_progress: Callable[[Progress], None] | None, *, needs_frontend: bool) -> None:
     t0 = time.monotonic()
     last: Progress | None = None
     while True:
         dead = exited(procs)
         if dead:
             raise LaunchError(describe_exit(dead[0]))
-        health = healthy(url)
-        up: tuple[str, ...] = ()
-        if expect_workers:
-            up = _workers_up(url, expect_workers)
-        prog = Progress(time.monotonic() - t0, health or bool(up), up, tuple(expect_workers))
+        frontend_up, up = probe()
+        prog = Progress(time.monotonic() - t0, frontend_up, up, expected, needs_frontend)
         if on_progress and (last is None or (prog.frontend_up, prog.workers_up) !=
                             (last.frontend_up, last.workers_up)):
             on_progress(prog)
         last = prog
-        if health and set(up) >= set(expect_workers):
+        if (frontend_up or not needs_frontend) and set(up) >= set(expected):
             return
         if prog.elapsed_s > timeout:
-            missing = sorted(set(expect_workers) - set(up))
+            missing = sorted(set(expected) - set(up))
             raise LaunchError(f"not ready after {timeout:g}s" +
                               (f"; still waiting for {', '.join(missing)}" if missing else ""))
         time.sleep(0.2)
 
 
-def _workers_up(url: str, expected: Sequence[str]) -> tuple[str, ...]:
+def _workers_up(url: str, expected: Mapping[str, str]) -> tuple[str, ...]:
     try:
         data = get_json(url + "/workers")
     except (urllib.error.URLError, OSError, ValueError):
@@ -283,11 +219,13 @@ def _workers_up(url: str, expected: Sequence[str]) -> tuple[str, ...]:
     for w in rows if isinstance(rows, list) else []:
         if not isinstance(w, dict) or w.get("state") != "up":
             continue
-        name = str(w.get("name", ""))
-        if name not in expected:
+        name, address = str(w.get("name", "")), str(w.get("address", ""))
+        if address not in expected:
+            continue  # a worker started elsewhere (--worker-addresses)
+        if name != expected[address]:
             raise LaunchError(
                 f"the frontend reached a worker this cluster did not start ({name or 'unnamed'} "
-                f"at {w.get('address', '?')}): another process holds that port; stop it, or "
+                f"at {address}): another process holds that port; stop it, or "
                 f"choose other ports (--worker-base-port)")
         up.append(name)
     return tuple(sorted(up))
@@ -331,19 +269,21 @@ class LocalCluster:
                        if port_in_use(self.plan.host, p)})
         if len(busy) == 1:
             raise LaunchError(f"port {busy[0]} on {self.plan.host} is already in use; stop what "
-                              "holds it or choose another (--port, --worker-base-port)")
+                              f"holds it or choose another ({_PORT_FLAGS})")
         if busy:
             raise LaunchError(f"ports {', '.join(map(str, busy))} on {self.plan.host} are already "
-                              "in use; stop what holds them or choose others (--port, "
-                              "--worker-base-port)")
+                              f"in use; stop what holds them or choose others ({_PORT_FLAGS})")
 
     def start(self) -> None:
         self.check_ports()
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
         for child in self.plan.children:
             self._spawn(child)
 
     def _spawn(self, child: Child) -> Proc:
-        p = spawn(child.name, child.argv, log_dir=self.log_dir, env=self.env,
+        env = {**(self.env or os.environ), **dict(child.env)} if child.env else self.env
+        p = spawn(child.name, child.argv, log_dir=self.log_dir, env=env,
                   own_session=self.own_session, address=child.address)
         self.procs[child.name] = p
         return p
@@ -358,9 +298,13 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float,
                    on_progress: Callable[[Progress], None] | None = None) -> None:
-        wait_ready(self.url, list(self.procs.values()), timeout,
-                   expect_workers=[w.worker_name for w in self.plan.workers],
-                   on_progress=on_progress)
+        procs = list(self.procs.values())
+        if not self.plan.frontends:
+            wait_healthy({w.name: w.http_url for w in self.plan.workers}, procs, timeout,
+                         on_progress=on_progress)
+            return
+        wait_ready(self.url, procs, timeout, on_progress=on_progress,
+                   expect_workers={w.address: w.worker_name for w in self.plan.workers})
 
     def exited(self) -> list[Proc]:
         return exited(self.procs.values())

@@ -1,26 +1,35 @@
-"""launch/single_node.sh running: with a fake `tandem` on loopback (readiness, watching, stopping
-exactly what it started), and with the real CLI once it has the flags the script passes."""
+"""Running clusters through launch/single_node.sh, which execs `tandem up`, on CPU with the mock
+engine: one log per process, a streamed completion, workers that only the cluster's key pair (made
+by up, in a private directory) reaches, while a plain ZMQ peer gets nothing and is counted; and on
+SIGTERM every process it started stops, by PID, and the keys are removed. `--no-auth` keeps the
+workers open to any local process."""
 
 from __future__ import annotations
 
-import json
 import os
+import queue
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
-import pytest
+import zmq
 
-from tests.deploy.manifests import REPO
-from tests.deploy.test_launch import SINGLE
+from tandem.runtime import wire
+from tests.cluster import ENV
+from tests.deploy.manifests import flag
+from tests.deploy.test_launch import SINGLE, TANDEM
+from tests.metrics_text import value
+from tests.sse import completion
 
-FAKE = Path(__file__).with_name("fake_tandem.py")
+MISMATCH = "handshake failed: one side has the cluster's keys, the other none"
 
-
-# --- running, with a fake tandem ----------------------------------------------------------------
 
 def free_base(span: int) -> int:
     """A port base with `span` free consecutive loopback ports."""
@@ -40,44 +49,55 @@ def free_base(span: int) -> int:
     raise RuntimeError("no free ports")
 
 
-class Launch:
-    def __init__(self, tmp: Path, *args: str, **env: str) -> None:
-        self.dir = tmp / "fake"
-        self.dir.mkdir()
-        base = free_base(40)
-        self.port = base + 30
-        cmd = ["bash", str(SINGLE), "--model", "/m", "--cpu", "--engine", "mock",
-               "--tandem", f"{sys.executable} {FAKE}", "--log-dir", str(tmp / "logs"),
-               "--worker-port-base", str(base), "--bootstrap-port-base", str(base + 10),
-               "--health-port-base", str(base + 20), "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True,
-                                     env=os.environ | {"FAKE_TANDEM_DIR": str(self.dir)} | env)
+class Run:
+    """A `tandem up` (through a script or not): its output read line by line, each wait with a
+    deadline; its children's PIDs as it prints them."""
 
-    def records(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=ENV)
+        self.lines: list[str] = []
+        self._q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # "ready" once everything answered /health
-        assert line.strip() == "ready", (line, self.proc.poll())
+        for line in self.proc.stdout:
+            self._q.put(line)
+        self._q.put("")  # (the end)
 
-    def finish(self, timeout: float = 30.0) -> tuple[int, str]:
-        _, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, err
-
-    def pids(self) -> list[int]:
-        recs = self.records()
-        return [r["pid"] for r in recs] + [r["child"] for r in recs if r["child"]]
-
-    def kill_leftovers(self) -> None:  # only what this test's script started
-        if self.proc.poll() is None:
-            self.proc.kill()
-        for pid in self.pids():
+    def until(self, text: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
             try:
+                line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} within {timeout:g}s:\n{''.join(self.lines)}")
+            if not line:
+                raise AssertionError(f"exited ({self.proc.wait()}) before {text!r}:\n"
+                                     f"{''.join(self.lines)}")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def pids(self) -> dict[str, int]:
+        found = (re.match(r"tandem up:\s+(\S+) \(pid (\d+)\)", line) for line in self.lines)
+        return {m[1]: int(m[2]) for m in found if m}
+
+    def stop(self) -> int:
+        """SIGTERM to up itself (the script exec'd it: the same PID); its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def kill_leftovers(self) -> None:  # only what this run started
+        for pid in self.pids().values():
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def gone(pid: int) -> bool:
@@ -99,129 +119,96 @@ def all_gone(pids: list[int], timeout: float = 10.0) -> bool:
     return True
 
 
-@pytest.fixture
-def launched(tmp_path: Path):
-    made: list[Launch] = []
-
-    def make(*args: str, **env: str) -> Launch:
-        made.append(Launch(tmp_path, *args, **env))
-        return made[-1]
-
-    yield make
-    for launch in made:
-        launch.kill_leftovers()
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200, url
+        return r.read().decode()
 
 
-def test_ready_then_sigterm_stops_everything_it_started(launched) -> None:
-    la = launched("--prefill", "1", "--decode", "1", "--frontends", "2")
-    la.wait_ready()
-    recs = la.records()
-    assert sorted(r["role"] for r in recs) == ["decode", "frontend", "frontend", "prefill"]
-    for r in recs:
-        assert gone(r["pid"]) is False and r["pgid"] == r["pid"]  # each in its own group
-        if r["kind"] == "worker":
-            assert r["cuda"] == ""
-    la.proc.send_signal(signal.SIGTERM)
-    rc, err = la.finish()
-    assert rc == 143 and "stopping 4 process(es)" in err
-    for r in recs:
-        assert (la.dir / f"{r['pid']}.term").exists(), f"{r['role']} got no SIGTERM"
-    assert all_gone(la.pids())  # workers' children too (the group was signalled)
+def plain_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
+    """A ZMQ peer with no keys at all that says Hello to a worker."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    sock.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "intruder")), zmq.NOBLOCK)
+    return ctx, sock
 
 
-def test_a_child_that_dies_takes_the_cluster_down(launched) -> None:
-    la = launched("--prefill", "1", "--decode", "2", "--frontends", "1",
-                  FAKE_EXIT_ROLE="decode", FAKE_EXIT_AFTER="1.5")
-    la.wait_ready()
-    rc, err = la.finish()
-    assert rc == 1 and "decode-" in err and "exited" in err
-    survivors = [r for r in la.records() if r["role"] != "decode"]
-    assert all((la.dir / f"{r['pid']}.term").exists() for r in survivors)
-    assert all_gone(la.pids())
+def refused(health_url: str) -> float:
+    """How many keyless peers the worker behind `health_url` counted (its /metrics)."""
+    text = get(health_url + "/metrics")
+    return value(text, "tandem_worker_protocol_errors_total", socket="worker",
+                 error=MISMATCH) or 0.0
 
 
-def test_readiness_deadline(launched) -> None:
-    la = launched("--decode", "1", "--prefill", "0", "--ready-timeout", "2",
-                  FAKE_READY_AFTER="never")
-    t0 = time.monotonic()
-    rc, err = la.finish()
-    assert rc == 1 and "not ready after 2 s" in err
-    assert time.monotonic() - t0 < 15
-    assert la.records() and all_gone(la.pids())
-
-
-def test_a_process_ignoring_sigterm_is_killed_after_the_drain_deadline(launched) -> None:
-    la = launched("--decode", "1", "--prefill", "0", "--frontends", "0", "--drain-timeout", "0",
-                  FAKE_IGNORE_TERM="1")
-    la.wait_ready()
-    t0 = time.monotonic()
-    la.proc.send_signal(signal.SIGINT)
-    rc, err = la.finish()
-    assert rc == 130 and "SIGKILL" in err
-    assert 4.9 <= time.monotonic() - t0 < 12  # drain (0) + 5 s, then SIGKILL
-    assert all_gone(la.pids())
-
-
-# --- running the real tandem (once the CLI has the flags the scripts use) -----------------------
-
-def _real_cli_missing() -> str:
-    tandem = REPO / ".venv" / "bin" / "tandem"
-    if not tandem.exists():
-        return "no .venv/bin/tandem"
-    for sub, flags in (("worker", ("--health-port", "--advertise-host", "--drain-timeout")),
-                       ("frontend", ("--drain-timeout",))):
-        res = subprocess.run([str(tandem), sub, "--help"], capture_output=True, text=True,
-                             timeout=60)
-        missing = [f for f in flags if f not in res.stdout]
-        if res.returncode != 0 or missing:
-            return f"tandem {sub} lacks {missing or 'a working --help'} (launch/ wiring pending)"
-    return ""
-
-
-@pytest.mark.parametrize("frontends", [1, 2])
-def test_real_cluster_starts_serves_and_stops(tiny_model: str, tmp_path: Path,
-                                              frontends: int) -> None:
-    """1P1D on the mock engine with the real CLI; with 2 frontends both share one port
-    (`--reuse-port`: SO_REUSEPORT)."""
-    why = _real_cli_missing()
-    if why:
-        pytest.skip(why)
-    import urllib.request
-
+def test_single_node_serves_on_cpu_authenticates_and_stops_every_process(
+        tiny_model: str, tmp_path: Path) -> None:
     base = free_base(40)
-    port = base + 30
-    env = os.environ | {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.Popen(
-        ["bash", str(SINGLE), "--model", tiny_model, "--cpu", "--engine", "mock",
-         "--prefill", "1", "--decode", "1", "--frontends", str(frontends), "--ready-timeout", "120",
-         "--tandem", str(REPO / ".venv" / "bin" / "tandem"), "--log-dir", str(tmp_path / "logs"),
-         "--worker-port-base", str(base), "--bootstrap-port-base", str(base + 10),
-         "--health-port-base", str(base + 20), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    pids: list[int] = []
+    port, logs = base + 30, tmp_path / "logs"
+    run = Run(["bash", str(SINGLE), "--tandem", TANDEM, "--model", tiny_model, "--cpu",
+               "--engine", "mock", "--frontends", "2", "--worker-port-base", str(base),
+               "--bootstrap-port-base", str(base + 10), "--health-port-base", str(base + 20),
+               "--port", str(port), "--log-dir", str(logs), "--ready-timeout", "120"])
+    keys = ""
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        if line != "ready":
-            proc.wait(60)
-            pytest.fail(f"not ready: {proc.stderr.read() if proc.stderr else ''}")
-        for p in (base + 20, base + 21):
-            with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=5) as r:
-                assert r.status == 200
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-            assert r.status == 200
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-        pids = [int(w.split(")")[0]) for w in err.split("(pid ")[1:]]
-        assert proc.returncode == 143 and len(set(pids)) == 2 + frontends, err
-        assert all_gone(pids)
+        run.until("tandem is serving")
+        pids = run.pids()
+        assert sorted(pids) == ["decode", "frontend-0", "frontend-1", "prefill"]
+        assert sorted(os.listdir(logs)) == ["decode.log", "frontend-0.log", "frontend-1.log",
+                                            "plan.tsv", "prefill.log"]
+        lines = (logs / "plan.tsv").read_text().splitlines()
+        cmds = [shlex.split(line.split("\tcmd=")[1]) for line in lines[1:]]
+        keys = flag(cmds[0], "--auth-keys") or ""
+        assert keys and all(flag(c, "--auth-keys") == keys for c in cmds)  # one key pair for all
+        assert os.stat(keys).st_mode & 0o777 == 0o700  # made by up, private
+        assert all(c[0] == "CUDA_VISIBLE_DEVICES=" for c in cmds[:2])  # --cpu: no GPU for workers
+        for health in (base + 20, base + 21):
+            get(f"http://127.0.0.1:{health}/health")
+
+        url = f"http://127.0.0.1:{port}"
+        model = __import__("json").loads(get(url + "/v1/models"))["data"][0]["id"]
+        r = completion(url, {"model": model, "prompt": "hello there", "max_tokens": 8})
+        assert r.status == 200 and r.done and r.error is None and r.text
+
+        # A process without the cluster's keys: its handshake with the decode worker fails, the
+        # worker counts it, and it never gets a reply (libzmq does not retry such a connection).
+        decode_health = f"http://127.0.0.1:{base + 21}"
+        before = refused(decode_health)
+        ctx, intruder = plain_dealer(f"tcp://127.0.0.1:{base + 1}")
+        try:
+            deadline = time.monotonic() + 30
+            while refused(decode_health) <= before:
+                assert time.monotonic() < deadline, "the refused handshake was not counted"
+                time.sleep(0.05)
+            assert intruder.poll(0) == 0  # nothing came back
+        finally:
+            ctx.destroy(linger=0)
     finally:
-        if proc.poll() is None:  # the script stops its own children on SIGTERM
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for p in pids:
-            if not gone(p):
-                os.kill(p, signal.SIGKILL)
+        rc = run.stop()
+        run.kill_leftovers()
+    assert rc == 0, "".join(run.lines)
+    assert all_gone(list(pids.values()))  # every process it started, by PID
+    assert keys and not os.path.exists(keys)  # and the key pair it made is gone
+
+
+def test_no_auth_keeps_the_workers_open_to_local_processes(tiny_model: str) -> None:
+    base = free_base(10)
+    run = Run([sys.executable, "-m", "tandem.cli", "up", "--model", tiny_model, "--no-auth",
+               "--engine", "mock", "--frontends", "0", "--worker-base-port", str(base),
+               "--health-base-port", str(base + 5), "--log-level", "WARNING"])
+    try:
+        said = run.until("ready; give the frontends --workers")
+        assert said.strip().endswith(f"--workers tcp://127.0.0.1:{base}")
+        pids = run.pids()
+        ctx, peer = plain_dealer(f"tcp://127.0.0.1:{base}")
+        try:
+            assert peer.poll(30_000), "no answer to a Hello without keys"
+            reply = wire.TO_FRONTEND.decode(peer.recv())
+            assert isinstance(reply, wire.HelloReply) and reply.ok
+        finally:
+            ctx.destroy(linger=0)
+    finally:
+        rc = run.stop()
+        run.kill_leftovers()
+    assert rc == 0 and all_gone(list(pids.values()))

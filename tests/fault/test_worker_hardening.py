@@ -26,7 +26,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.config import WorkerConfig
+from tandem.config import MockTiming, WorkerConfig
 from tandem.engines.base import EngineRequest, Handle, OutputSink
 from tandem.engines.mock import MockEngine
 from tandem.runtime import transport, wire
@@ -121,7 +121,8 @@ async def worker(mock_dir: str, zmq_socket: bool = False, **cfg: Any) -> AsyncIt
     """A worker on an in-memory router (`zmq_socket`: on a ZMQ ROUTER bound to a free port)."""
     port = free_port() if zmq_socket else 7100
     config = WorkerConfig(engine="mock", model=mock_dir, port=port, **cfg)
-    engine = SpyEngine(mock_dir, page_size=16, num_pages=256, max_batch=16, step_delay_s=0.002)
+    engine = SpyEngine(mock_dir, page_size=16, num_pages=256, max_batch=16,
+                       timing=MockTiming(step_delay_ms=2))
     await engine.start()
     router: MemoryRouter | None = None
     if not zmq_socket:

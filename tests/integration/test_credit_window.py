@@ -16,7 +16,7 @@ import pytest
 from tandem.engines.mock import MockEngine, mock_token
 from tandem.runtime import wire
 from tandem.runtime.channel import MemoryRouter
-from tandem.config import WorkerConfig
+from tandem.config import MockTiming, WorkerConfig
 from tandem.runtime.wire import Credit, Deltas, Generate, Hello, HelloReply, SamplingParams
 from tandem.worker.server import WorkerServer
 
@@ -58,7 +58,8 @@ class Frontend:
 @contextlib.asynccontextmanager
 async def worker(mock_dir: str, **cfg: object) -> AsyncIterator[tuple[WorkerServer, Frontend]]:
     config = WorkerConfig(engine="mock", model=mock_dir, **cfg)  # type: ignore[arg-type]
-    engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64, step_delay_s=0.002)
+    engine = MockEngine(mock_dir, page_size=16, num_pages=1024, max_batch=64,
+                        timing=MockTiming(step_delay_ms=2))
     await engine.start()
     from tandem.runtime.wire import WorkerInfo
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tandem.runtime.auth import write_keys
-from tandem import flags, launcher, up
+from tandem import demo, flags, launcher, up
 from tandem.cli import main, parse
 from tandem.config import FrontendConfig, RouterConfig, UpConfig, WorkerConfig, served_name
 
@@ -112,8 +112,12 @@ def test_given_flags_land_in_the_config(model: str) -> None:
     (["frontend", "--workers", " , "], "argument --workers: needs at least one address"),
     (["frontend", "--workers", "tcp://h:1", "--max-queue", "-3"], "must be 0 or more, got -3"),
     (["frontend"], "the following arguments are required: --workers"),
-    (["up", "--prefill", "2"], "needs both --prefill N and --decode M"),
-    (["up", "--frontends", "0"], "argument --frontends: must be a positive integer"),
+    (["up", "--frontends", "-1"], "argument --frontends: must be 0 or more"),
+    (["up", "--cpu", "--gpus", "0"], "--cpu and --gpus: choose one"),
+    (["up", "--gpus", "0,x"], "argument --gpus: 'x' is not a GPU id"),
+    (["up", "--gpus", "0,1,0"], "argument --gpus: GPU 0 is listed twice"),
+    (["up", "--frontends", "0"], "need this cluster's key pair: pass --auth-keys DIR"),
+    (["up", "--worker-addresses", "tcp://10.0.0.1:7100"], "need this cluster's key pair"),
 ])
 def test_bad_values_are_refused_with_a_message_naming_the_flag(
         argv: list[str], says: str, model: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,13 +221,14 @@ def test_a_missing_cluster_key_is_a_usage_error(model: str, tmp_path: Path,
 
 
 def test_up_passes_engine_flags_to_every_worker_after_its_own(model: str) -> None:
-    cmd = parse(["up", "--model", model, "--engine", "sglang", "--workers", "2", "--tp-size", "2"])
+    cmd = parse(["up", "--model", model, "--engine", "sglang", "--workers", "2", "--gpus", "0,1",
+                 "--mem-fraction-static", "0.8", "--", "--enable-metrics"])
     assert isinstance(cmd.config, UpConfig) and cmd.forwarded is not None
     plan = up.make_plan(cmd.config, cmd.forwarded)
-    for w in plan.workers:
-        assert w.argv[-2:] == ("--tp-size", "2")
+    for w in plan.workers:  # (SGLang's TP from tandem up's, then the engine flags as given)
+        assert w.argv[-5:] == ("--tp-size", "1", "--mem-fraction-static", "0.8", "--enable-metrics")
         cfg = parse(list(w.argv)).config
-        assert isinstance(cfg, WorkerConfig) and cfg.engine_args == ("--tp-size", "2")
+        assert isinstance(cfg, WorkerConfig) and cfg.engine_args == w.argv[-5:]
     for f in plan.frontends:
         assert "--tp-size" not in f.argv
 
@@ -300,8 +305,8 @@ def test_served_name_is_the_directory_name_as_given(tmp_path: Path,
 
 
 def test_demo_output_cannot_drive_the_terminal() -> None:
-    assert up.printable("ok\x1b[2Jbell\x07\u202e\n\tend") == "ok\ufffd[2Jbell\ufffd\ufffd\n\tend"
-    curl = up.sample_curl("http://127.0.0.1:8000", "tiny")
+    assert demo.printable("ok\x1b[2Jbell\x07\u202e\n\tend") == "ok\ufffd[2Jbell\ufffd\ufffd\n\tend"
+    curl = demo.sample_curl("http://127.0.0.1:8000", "tiny")
     assert '"max_tokens": 32' in curl and '"model": "tiny"' in curl
 
 

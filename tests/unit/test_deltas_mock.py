@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from tandem.config import MockTiming
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.mock import NATURAL_LOGIT, MockEngine, mock_token
 from tandem.kv.bootstrap.decode import QUARANTINE_GRACE_S
@@ -94,7 +95,7 @@ async def test_mock_engine_is_deterministic_and_frees_pages(mock_dir, mode):
 
 
 async def test_mock_engine_cancel_frees_pages_and_silences_the_sink(mock_dir):
-    eng = MockEngine(mock_dir, page_size=4, num_pages=64, step_delay_s=0.001)
+    eng = MockEngine(mock_dir, page_size=4, num_pages=64, timing=MockTiming(step_delay_ms=1))
     await eng.start()
     try:
         sink = Recorder(eng)

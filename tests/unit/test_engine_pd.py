@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tandem.engines.mock import MockEngine, MockTiming, mock_token
+from tandem.config import MockTiming
+from tandem.engines.mock import MockEngine, mock_token
 from tandem.engines.handoff import DecodeHandoff, Host, PrefillHandoff
 from tandem.kv.bootstrap.decode import Destination
 from tandem.runtime.errors import KvHandoffError
@@ -143,7 +144,7 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
         busy = Recorder(d).submit(d, "busy", [7, 8], SamplingParams(max_tokens=50))  # (agg)
 
         def slow_down(_: Run) -> None:  # in the sink, so before the next step starts: from
-            d.timing = MockTiming(decode_step_s=60.0)  # now on a step lasts a minute, longer
+            d.timing = MockTiming(mock_decode_step_us=60e6)  # now on a step lasts a minute, longer
             # than any loaded machine takes to run this test
 
         busy.on_output = slow_down

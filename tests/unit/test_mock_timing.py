@@ -9,7 +9,8 @@ import time
 
 import pytest
 from tandem.engines.base import EngineRequest
-from tandem.engines.mock import MockEngine, MockTiming
+from tandem.config import MockTiming, WorkerConfig
+from tandem.engines.mock import MockEngine
 from tandem.runtime.wire import SamplingParams
 from tests.conformance.harness import Recorder, finished
 
@@ -42,8 +43,8 @@ def req(rid: str, n_prompt: int, max_tokens: int) -> EngineRequest:
 
 
 def test_step_cost_adds_prefill_and_decode_parts():
-    t = MockTiming(step_s=0.001, prefill_s_per_token=0.0001, decode_step_s=0.01,
-                   decode_s_per_seq=0.002)
+    t = MockTiming(step_delay_ms=1, mock_prefill_us_per_token=100, mock_decode_step_us=10_000,
+                   mock_decode_us_per_seq=2000)
     assert t.step_cost(0, 0) == pytest.approx(0.001)
     assert t.step_cost(100, 0) == pytest.approx(0.011)
     assert t.step_cost(0, 5) == pytest.approx(0.001 + 0.01 + 0.01)
@@ -51,25 +52,25 @@ def test_step_cost_adds_prefill_and_decode_parts():
 
 
 async def test_decode_step_cost_paces_tokens(mock_dir):
-    eng = MockEngine(mock_dir, timing=MockTiming(decode_step_s=0.05))
+    eng = MockEngine(mock_dir, timing=MockTiming(mock_decode_step_us=50_000))
     elapsed = await run(eng, [req("a", 4, 10)])
     assert elapsed >= 0.45  # 10 steps of 50 ms
 
 
 async def test_decode_cost_per_sequence_grows_with_the_batch(mock_dir):
-    eng = MockEngine(mock_dir, timing=MockTiming(decode_s_per_seq=0.005))
+    eng = MockEngine(mock_dir, timing=MockTiming(mock_decode_us_per_seq=5000))
     elapsed = await run(eng, [req(f"r{i}", 4, 5) for i in range(8)])
     assert elapsed >= 0.18  # 5 steps of 8 sequences * 5 ms
 
 
 async def test_prefill_cost_is_per_prompt_token(mock_dir):
-    eng = MockEngine(mock_dir, timing=MockTiming(prefill_s_per_token=0.002))
+    eng = MockEngine(mock_dir, timing=MockTiming(mock_prefill_us_per_token=2000))
     elapsed = await run(eng, [req("a", 200, 1)])
     assert elapsed >= 0.38  # 200 tokens * 2 ms
 
 
 async def test_batch_cap_serializes_requests(mock_dir):
-    eng = MockEngine(mock_dir, max_batch=1, timing=MockTiming(decode_step_s=0.02))
+    eng = MockEngine(mock_dir, max_batch=1, timing=MockTiming(mock_decode_step_us=20_000))
     elapsed = await run(eng, [req(f"r{i}", 4, 5) for i in range(3)])
     assert elapsed >= 0.27  # 3 requests one after another, 5 steps of 20 ms each
 
@@ -103,3 +104,32 @@ def test_timing_flags_reach_the_worker_config_through_tandem_up(mock_dir):
     plain = parse(["worker", "--model", mock_dir]).config
     assert (plain.mock_prefill_us_per_token, plain.mock_decode_step_us,
             plain.mock_decode_us_per_seq) == (0.0, 0.0, 0.0)
+
+
+def test_a_worker_config_is_the_one_timing_model_its_engine_runs(mock_dir):
+    """One MockTiming (tandem.config): the flags' values are what the engine's steps cost."""
+    from tandem.engines.factory import make_engine
+
+    cfg = WorkerConfig(model=mock_dir, engine="mock", step_delay_ms=1.5,
+                       mock_prefill_us_per_token=20, mock_decode_step_us=300,
+                       mock_decode_us_per_seq=4, kv_bytes_per_s=1e9)
+    eng = make_engine(cfg)
+    assert isinstance(eng, MockEngine) and eng.timing == MockTiming.of(cfg)
+    assert eng.timing.step_cost(10, 2) == pytest.approx(0.0015 + 200e-6 + 300e-6 + 8e-6)
+
+
+def test_engine_constructors_take_their_defaults_from_the_worker_config():
+    """No engine repeats a default tandem.config holds: built with no arguments, an engine has
+    a worker's page size, pages, batch cap, device and timing."""
+    import inspect
+
+    from tandem.engines.reference.engine import ReferenceEngine
+    from tandem.engines.sglang import SGLangOptions
+
+    for cls in (MockEngine, ReferenceEngine, SGLangOptions):
+        params = inspect.signature(cls).parameters
+        for name in ("page_size", "num_pages", "max_batch", "device", "host", "log_level"):
+            if name in params and not (cls is SGLangOptions and name in ("max_batch",
+                                                                          "num_pages")):
+                assert params[name].default == getattr(WorkerConfig, name), (cls, name)
+    assert inspect.signature(MockEngine).parameters["timing"].default == MockTiming()

@@ -6,11 +6,10 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from tandem.config import ENGINES, WorkerConfig
+from tandem.config import ENGINES, MockTiming, WorkerConfig
 from tandem.engines.base import Engine
 from tandem.engines.handoff import HandoffConfig
 from tandem.kv.transfer.movers import KvMover
-
 
 
 def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
@@ -41,18 +40,11 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
     """The engine for `cfg`, built with its handoff; `name` names this worker's transfer agent."""
     handoff = handoff_config(cfg, name or f"{cfg.role}-{cfg.engine}-{cfg.port}")
     if cfg.engine == "mock":
-        from tandem.engines.mock import MockEngine, MockTiming
+        from tandem.engines.mock import MockEngine
 
         return MockEngine(
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-            output_mode=cfg.output_mode or None, handoff=handoff,
-            timing=MockTiming(
-                step_s=cfg.step_delay_ms / 1e3,
-                prefill_s_per_token=cfg.mock_prefill_us_per_token / 1e6,
-                decode_step_s=cfg.mock_decode_step_us / 1e6,
-                decode_s_per_seq=cfg.mock_decode_us_per_seq / 1e6,
-            ),
-        )
+            output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg))
     if cfg.engine == "reference":
         from tandem.engines.reference.engine import ReferenceEngine
 

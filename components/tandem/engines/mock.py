@@ -6,8 +6,8 @@ accounting (pages for min(prompt + max_tokens, context) tokens taken at admissio
 finish or cancel), a running batch capped at `max_batch`, admission that waits for pages, and the
 PD handoff of tandem.engines.handoff (its transfers simulated by tandem.kv.transfer.movers.SimulatedMover).
 
-Timing (`MockTiming`): a step sleeps for its prefill cost (per prompt token admitted that step)
-plus its decode cost (per step, and per sequence in the step), plus an optional fixed delay; with
+Timing (`tandem.config.MockTiming`, the flags' own section): a step sleeps for its prefill cost
+(per prompt token admitted that step) plus its decode cost (per step, and per sequence in the step), plus an optional fixed delay; with
 every cost zero a step sleeps not at all and yields to the event loop once. A PD prefill worker's
 sequences do not decode: its steps cost their prompt tokens only.
 
@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import math
 from collections.abc import Collection
 
+from tandem.config import MockTiming, WorkerConfig
 from tandem.engines.base import EngineRequest, ModelSpec
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
@@ -118,28 +118,12 @@ def spec_from_config(model_dir: str, cfg: dict[str, Any]) -> ModelSpec:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class MockTiming:
-    """What a mock engine step costs, in seconds; all zero = overhead runs (no sleeps at all)."""
-
-    step_s: float = 0.0  # every step, whatever it does
-    prefill_s_per_token: float = 0.0  # per prompt token admitted in the step
-    decode_step_s: float = 0.0  # a step that decodes at least one sequence
-    decode_s_per_seq: float = 0.0  # per sequence decoded in the step
-
-    def step_cost(self, num_prompt_tokens: int, num_decoding: int) -> float:
-        cost = self.step_s + self.prefill_s_per_token * num_prompt_tokens
-        if num_decoding:
-            cost += self.decode_step_s + self.decode_s_per_seq * num_decoding
-        return cost
-
-
 class MockEngine(Stepper):
     name = "mock"
 
-    def __init__(self, model_dir: str, *, page_size: int = 16, num_pages: int = 0,
-                 max_batch: int = 64, output_mode: OutputMode | None = None,
-                 step_delay_s: float = 0.0, timing: MockTiming | None = None,
+    def __init__(self, model_dir: str, *, page_size: int = WorkerConfig.page_size,
+                 num_pages: int = WorkerConfig.num_pages, max_batch: int = WorkerConfig.max_batch,
+                 output_mode: OutputMode | None = None, timing: MockTiming = MockTiming(),
                  handoff: HandoffSpec | None = None) -> None:
         cfg = read_model_config(model_dir)
         self.spec = spec_from_config(model_dir, cfg)
@@ -152,7 +136,7 @@ class MockEngine(Stepper):
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                          output_mode=output_mode, max_prefill_tokens=UNLIMITED_PREFILL_TOKENS,
                          handoff=handoff)
-        self.timing = timing if timing is not None else MockTiming(step_s=step_delay_s)
+        self.timing = timing
         self._avoid = frozenset(self.spec.eos_token_ids)
 
     def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:

@@ -45,19 +45,17 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import psutil
 
+from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.base import ModelSpec
 from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
 from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
 from tandem.runtime.wire import OutputMode, Role
-
-if TYPE_CHECKING:
-    from tandem.config import WorkerConfig
 
 log = logging.getLogger("tandem.engines.sglang")
 
@@ -78,13 +76,13 @@ class SGLangOptions:
     model: str
     role: Role = "agg"
     output_mode: OutputMode = OUTPUT_MODE
-    page_size: int = 16
+    page_size: int = WorkerConfig.page_size
     max_batch: int = 0  # -> --max-running-requests (0 = SGLang's own)
     num_pages: int = 0  # -> --max-total-tokens = num_pages * page_size (0 = SGLang's own)
-    host: str = "127.0.0.1"  # the prefill's bootstrap server binds it (SGLang's --host)
+    host: str = WorkerConfig.host  # the prefill's bootstrap server binds it (SGLang's --host)
     advertise_host: str = ""  # where decode engines reach the bootstrap server (default: host)
     bootstrap_port: int = 0  # prefill: SGLang's --disaggregation-bootstrap-port (0 = SGLang's)
-    log_level: str = "INFO"
+    log_level: str = WorkerConfig.log_level
     engine_args: tuple[str, ...] = ()
 
     @classmethod

@@ -3,7 +3,9 @@
 The link owns the protocol with one worker and nothing else:
 - the handshake: a Hello every heartbeat until the worker answers; a refused one makes the link
   `incompatible` for good. An unanswered handshake is logged once as unreachable: after the
-  heartbeat deadline for a worker that was up, after `start_timeout_s` for one still starting;
+  heartbeat deadline for a worker that was up, after `start_timeout_s` for one still starting. A
+  connection whose security handshake failed (ZMQ says so: the keys differ) is logged at once,
+  once per reason until the worker answers, and the unreachable line names it too;
 - liveness: a worker silent past the heartbeat deadline, or whose connection drops (the channel's
   `disconnects()`), is marked down at once and every request on it fails with WorkerLost (which
   moves them to other workers: tandem.router.request); it comes back up when it answers a Hello
@@ -50,6 +52,9 @@ log = logging.getLogger("tandem.router")
 WorkerChannel = Channel[wire.Message, wire.ToFrontend]
 
 
+_KEYS = ": this frontend and the worker likely hold different --auth-keys (or one has none)"
+
+
 def _nothing() -> None:
     pass
 
@@ -84,6 +89,7 @@ class WorkerLink:
         self.protocol_errors = 0  # deltas refused for a gap or an overlap
         self.last_seen = 0.0
         self._asking_since: float | None = None  # handshake unanswered since (said once)
+        self.security_error = ""  # why the last security handshake failed, until one succeeds
         # This loop pass's: legs placed (not yet sent), legs to abort, Deltas messages handed to
         # their requests (to credit back).
         self._placed: PassBatcher[tuple[Leg, Generate]] = PassBatcher(self._send_placed, defer)
@@ -142,8 +148,8 @@ class WorkerLink:
             late = max(0.0, self.clock() - woke)  # how long this loop could not run us
 
     async def _watch(self) -> None:
-        async for _ in self.channel.disconnects():
-            self.on_disconnected()
+        async for why in self.channel.disconnects():
+            self.on_disconnected(why)
 
     # --- inputs -----------------------------------------------------------------------------------
     def tick(self, late: float = 0.0) -> None:
@@ -166,7 +172,9 @@ class WorkerLink:
                 self._asking_since = now
             elif now - self._asking_since > allowed:
                 log.warning("worker %s is unreachable: no answer to the handshake for %gs "
-                            "(still trying)", self.address, now - self._asking_since)
+                            "(still trying)%s", self.address, now - self._asking_since,
+                            f"; its connection's {self.security_error}{_KEYS}"
+                            if self.security_error else "")
                 self._asking_since = math.inf  # said once, until it answers
             self._send_quietly(Hello(wire.PROTOCOL_VERSION, self.frontend_id))
         else:
@@ -215,16 +223,20 @@ class WorkerLink:
             return
         if self.state != "up":
             log.info("worker %s is up: %s %s", self.address, msg.info.role, msg.info.engine)
-        self.info = msg.info
+        self.info, self.security_error = msg.info, ""
         self.state = "up"
         self._up.set()
         self.on_up(self)
         self.on_capacity()
 
-    def on_disconnected(self) -> None:
+    def on_disconnected(self, why: str = "") -> None:
         """The connection dropped: the worker process is gone or restarted (forgetting its
-        requests); fail them now rather than after the heartbeat deadline."""
-        self._mark_down("connection closed")
+        requests); fail them now rather than after the heartbeat deadline. `why`: its security
+        handshake failed, and why (the worker is there but the keys differ: said at once)."""
+        if why and why != self.security_error:
+            log.warning("worker %s: %s%s (still trying)", self.address, why, _KEYS)
+        self.security_error = why or self.security_error
+        self._mark_down(why or "connection closed")
 
     # --- requests ---------------------------------------------------------------------------------
     def start(self, leg: Leg, msg: Generate) -> None:

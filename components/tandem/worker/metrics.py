@@ -8,7 +8,8 @@ time (nothing is mirrored on the hot path):
   worker's KV bootstrap socket);
 - `tandem_worker_protocol_errors_total{socket,error}`: messages that decoded but were refused or
   could not be answered (`transport.protocol_errors`: bad requests, foreign aborts, bad credit,
-  refused KV hellos and rooms, replies to gone peers, ...);
+  refused KV hellos and rooms, replies to gone peers, ...), and peers whose security handshake
+  failed (`handshake refused: ...`, `handshake failed: ...`: no keys, or another cluster's);
 - `tandem_worker_requests_in_flight` and `tandem_worker_draining`.
 """
 
@@ -33,7 +34,8 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
     reg.callback("tandem_worker_bad_messages_total", "Frames dropped because they did not decode",
                  bad, ("socket",), kind="counter")
     reg.callback("tandem_worker_protocol_errors_total",
-                 "Messages that decoded but were refused or could not be answered", refused,
+                 "Messages that decoded but were refused or could not be answered, and peers "
+                 "whose security handshake failed", refused,
                  ("socket", "error"), kind="counter")
     reg.callback("tandem_worker_requests_in_flight", "Requests submitted and not ended",
                  lambda: [((), num_requests())])

@@ -22,8 +22,10 @@ bootstrap is not a prefill worker its frontend announced (`Prefills`): the decod
 sends its transfer metadata and opens its pages only to those; a `Credit` that is not positive is
 ignored (one above what is in flight is clamped); an `Abort` only ends requests the same
 connection (ZMQ identity) sent; a handler that still fails on some input drops that one message.
-Each is counted in `transport.protocol_errors` ("worker", what). The receive loop and the reaper
-are supervised: if one dies anyway, the process goes down (tandem.runtime.lifecycle).
+Each is counted in `transport.protocol_errors` ("worker", what), and so is each peer whose security
+handshake failed (no keys, or another cluster's: it never gets to send a message). The receive
+loop, the reaper and that count are supervised: if one dies anyway, the process goes down
+(tandem.runtime.lifecycle).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class WorkerServer:
         tasks = TaskGroup(supervised=True)  # without these the worker is useless: a death is fatal
         tasks.spawn(serve(channel, self.dispatch, "worker", log), name="worker-recv")
         tasks.spawn(self._reap_silent_frontends(), name="worker-reaper")
+        tasks.spawn(channel.count_refused_handshakes("worker", log), name="worker-handshakes")
         try:
             await stop.wait()
             await self.drain(self.cfg.drain_timeout_s)

@@ -9,7 +9,9 @@ without the secret cannot complete the handshake: it can send nothing and learns
 traffic it could observe is encrypted.
 
 Binding beyond loopback without keys is refused (`require_for`): a worker port reachable from a
-network must never accept unauthenticated peers.
+network must never accept unauthenticated peers. A handshake that fails is never silent: the bound
+side counts and logs it, the connecting side says why its connection dropped
+(`handshake_failure`, read from ZMQ socket monitor events by tandem.runtime.transport).
 """
 
 from __future__ import annotations
@@ -95,6 +97,24 @@ def require_for(bind_address: str, keys: ClusterKeys | None) -> None:
             f"refusing to bind {bind_address} without authentication: pass --auth-keys DIR "
             "(write the keys once with `tandem keys init DIR` and give every process of the "
             "cluster the same directory), or bind a loopback address")
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # the socket monitor events of a failure
+
+
+def handshake_failure(event: int, value: int) -> str:
+    """Why a security handshake failed, from a socket monitor's event and value: short (the bound
+    side counts by it) and naming the likely cause (the connecting side logs it)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "handshake refused: the peer's key is not the cluster's"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "handshake failed: one side has the cluster's keys, the other none"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            return "handshake failed: the two sides hold different key pairs"
+        return "handshake failed: a protocol error"
+    return "handshake failed: the peer ended it (it may hold other keys)"
 
 
 _authenticators: dict[int, ThreadAuthenticator] = {}

@@ -4,7 +4,7 @@ A `Channel[S, R]` is a message pipe to one peer (a DEALER's end). It sends messa
 raises `ChannelFull` rather than grow), yields the messages it receives (async iteration, each
 already decoded against the receiver's schema), says whether received messages are waiting unread
 (`unread()`: the reader is behind, the peer is not silent), and reports each time the connection to
-the peer drops (`disconnects()`).
+the peer drops (`disconnects()`: "", or why its security handshake failed).
 
 A `RouterChannel[S, R]` is the other end, that many peers connect to (a ROUTER's): it yields
 `(identity, message)` and sends `send_nowait(identity, msg)`; a peer that is gone or not reading
@@ -14,7 +14,8 @@ raises `ChannelFull` there.
   (tandem.runtime.transport: high-water marks, fair receive, bad frames dropped and counted).
 - `MemoryChannel`: one end of an in-memory pair (`memory_pair()`), and `MemoryRouter`, whose
   `connect(identity)` gives a peer's MemoryChannel: for tests, optionally through the wire
-  encoding, with a bound, and a `disconnect()` to simulate a dropped connection.
+  encoding, with a bound, and a `disconnect()` to simulate a dropped connection (or a failed
+  handshake).
 
 `serve(messages, handle, socket, log)` is the one receive loop: each message goes to its handler;
 a handler that fails on some input drops only that message (counted in
@@ -56,7 +57,7 @@ class Channel(Protocol[S, R]):
 
     def unread(self) -> bool: ...
 
-    def disconnects(self) -> AsyncIterator[None]: ...
+    def disconnects(self) -> AsyncIterator[str]: ...
 
     def close(self) -> None: ...
 
@@ -70,6 +71,8 @@ class RouterChannel(Protocol[S, R]):
     def __aiter__(self) -> AsyncIterator[tuple[bytes, R]]: ...
 
     def close(self, linger_s: float = 0.0) -> None: ...
+
+    async def count_refused_handshakes(self, socket: str, log: logging.Logger) -> None: ...
 
 
 async def serve(messages: AsyncIterable[T], handle: Callable[[T], None], socket: str,
@@ -91,7 +94,7 @@ class ZmqChannel(Generic[T, U]):
     def __init__(self, address: str, identity: bytes, decoder: wire.Decoder[U],
                  log: logging.Logger) -> None:
         self.address = address
-        self._sock = transport.dealer(address, identity)
+        self._sock = transport.dealer(address, identity, watch=transport.DISCONNECTS)
         self._decoder = decoder
         self._log = log
 
@@ -117,7 +120,7 @@ class ZmqChannel(Generic[T, U]):
     def unread(self) -> bool:
         return transport.readable(self._sock)
 
-    def disconnects(self) -> AsyncIterator[None]:
+    def disconnects(self) -> AsyncIterator[str]:
         return transport.disconnects(self._sock)
 
     def close(self) -> None:
@@ -129,7 +132,7 @@ class ZmqRouterChannel(Generic[T, U]):
 
     def __init__(self, address: str, decoder: wire.Decoder[U], log: logging.Logger) -> None:
         self.address = address
-        self._sock = transport.router(address)
+        self._sock = transport.router(address, watch=transport.REFUSALS)
         self._decoder = decoder
         self._log = log
 
@@ -148,10 +151,16 @@ class ZmqRouterChannel(Generic[T, U]):
     def __aiter__(self) -> AsyncIterator[tuple[bytes, U]]:
         return transport.router_messages(self._sock, self._decoder, self._log)
 
+    async def count_refused_handshakes(self, socket: str, log: logging.Logger) -> None:
+        """Until cancelled: each peer whose security handshake failed (no keys, or another
+        cluster's: it never gets to send a message) counted in `transport.protocol_errors`
+        (socket, why) and logged, rate-limited."""
+        await transport.count_refused_handshakes(self._sock, socket, log)
+
     def close(self, linger_s: float = 0.0) -> None:
-        """Close; what is queued gets `linger_s` seconds to leave."""
+        """Close (its monitor off first); what is queued gets `linger_s` seconds to leave."""
         if not self._sock.closed:
-            self._sock.close(linger=int(linger_s * 1000))
+            transport.close(self._sock, linger_s)
 
 
 class MemoryChannel(Generic[T, U]):
@@ -163,7 +172,7 @@ class MemoryChannel(Generic[T, U]):
         self._wire = through_wire  # the PEER's decoder: messages cross the real encoding
         self._inbox: deque[U] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._drops: asyncio.Queue[None] = asyncio.Queue()
+        self._drops: asyncio.Queue[str] = asyncio.Queue()
         self._closed = False
 
     @property
@@ -209,20 +218,20 @@ class MemoryChannel(Generic[T, U]):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
-    async def disconnects(self) -> AsyncIterator[None]:
+    async def disconnects(self) -> AsyncIterator[str]:
         while True:
-            await self._drops.get()
-            yield None
+            yield await self._drops.get()
 
-    def disconnect(self) -> None:
-        """Simulate a dropped connection: both ends report it."""
-        self._drops.put_nowait(None)
+    def disconnect(self, why: str = "") -> None:
+        """Simulate a dropped connection (`why`: a failed handshake's reason): both ends report
+        it."""
+        self._drops.put_nowait(why)
         if self.peer is not None:
-            self.peer.dropped()
+            self.peer.dropped(why)
 
-    def dropped(self) -> None:
+    def dropped(self, why: str = "") -> None:
         """The connection dropped (what the peer's `disconnect` does here)."""
-        self._drops.put_nowait(None)
+        self._drops.put_nowait(why)
 
     def close(self) -> None:
         self._closed = True
@@ -272,6 +281,10 @@ class MemoryRouter(Generic[T, U]):
 
     def close(self, linger_s: float = 0.0) -> None:
         self._inbox.close()
+
+    async def count_refused_handshakes(self, socket: str, log: logging.Logger) -> None:
+        """(In memory there are no handshakes: this waits until cancelled.)"""
+        await asyncio.get_running_loop().create_future()
 
 
 class _Peer(MemoryChannel[T, U]):

@@ -18,8 +18,11 @@ ZMQ's descriptor is edge-triggered: it signals once when the socket's state may 
 any call on the socket (a send, a ZMQ_EVENTS query) may take that signal. So a receive loop checks
 ZMQ_EVENTS before it waits, the descriptor's callback always queries it (which also clears the
 signal), and a send, or a query, made while the loop waits re-checks readiness (once per loop pass
-for sends). Monitor sockets (`disconnects`) are rare and stay on
-pyzmq's asyncio layer, over the same libzmq context.
+for sends). Monitor sockets (`disconnects` on a frontend's or a decode worker's connection,
+`count_refused_handshakes` on a bound socket) are rare and stay on pyzmq's asyncio layer, over the
+same libzmq context. A failed security handshake (CURVE: a peer without the cluster's keys, or with
+another cluster's) is counted in `protocol_errors` on the bound side, and said, as the reason of
+the disconnect, on the connecting side.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Socket(zmq.Socket):
     fd: int = -1  # the descriptor that loop watches
     waiter: asyncio.Future[None] | None = None  # set while the loop waits for a message
     recheck_due: bool = False  # a readiness re-check is scheduled (a send took the signal)
+    watcher: Monitor | None = None  # its monitor, on since before it connected or bound, unread
 
     def close(self, linger: int | None = None) -> None:
         """Close; a receive loop waiting on it wakes and ends (its next read fails)."""
@@ -116,10 +120,17 @@ def _socket(kind: int) -> Socket:
     return sock
 
 
-def router(bind: str) -> Socket:
-    """A worker's socket: many frontends talk to it, each known by its identity."""
+REFUSALS = auth.HANDSHAKE_FAILED  # what `count_refused_handshakes` reads
+DISCONNECTS = zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILED  # what `disconnects` reads
+
+
+def router(bind: str, watch: int = 0) -> Socket:
+    """A worker's socket: many frontends talk to it, each known by its identity. `watch`: the
+    monitor events to catch from the start (REFUSALS), for a reader to come."""
     auth.require_for(bind, _keys)
     sock = _socket(zmq.ROUTER)
+    if watch:
+        sock.watcher = Monitor(sock, watch)
     if _keys is not None:
         auth.make_server(sock, _keys)
     # Sending to a frontend that is gone raises EHOSTUNREACH instead of dropping silently.
@@ -128,9 +139,12 @@ def router(bind: str) -> Socket:
     return sock
 
 
-def dealer(connect: str, identity: bytes) -> Socket:
-    """A frontend's socket to one worker."""
+def dealer(connect: str, identity: bytes, watch: int = 0) -> Socket:
+    """A frontend's socket to one worker. `watch`: the monitor events to catch from the start
+    (DISCONNECTS), for a reader to come."""
     sock = _socket(zmq.DEALER)
+    if watch:
+        sock.watcher = Monitor(sock, watch)
     sock.setsockopt(zmq.IDENTITY, identity)
     if _keys is not None:
         auth.make_client(sock, _keys)
@@ -140,32 +154,80 @@ def dealer(connect: str, identity: bytes) -> Socket:
     return sock
 
 
-def close(sock: Socket) -> None:
-    """Close `sock` at once (linger 0), its monitor off first (see `disconnects`)."""
+def _take_watcher(sock: zmq.Socket) -> Monitor | None:
+    """The monitor `sock` was made with and nobody reads yet (it is the taker's to close now)."""
+    if not isinstance(sock, Socket):
+        return None
+    mon, sock.watcher = sock.watcher, None
+    return mon
+
+
+def close(sock: Socket, linger_s: float = 0.0) -> None:
+    """Close `sock`, its monitor off first (see `Monitor`); what it has queued gets `linger_s`
+    seconds to leave (by default none)."""
+    unread = _take_watcher(sock)
+    if unread is not None:  # (nobody else will close its reader's end)
+        unread.close()
     if not sock.closed:
         sock.disable_monitor()
-        sock.close(linger=0)
+        sock.close(linger=int(linger_s * 1000))
 
 
-async def disconnects(sock: Socket) -> AsyncGenerator[None, None]:
-    """One item each time `sock` loses a connection (a ZMQ monitor on it). On the way out the
-    monitor is turned off BEFORE its reader is closed: libzmq's I/O thread sends monitor events
-    with a blocking send, so a monitor whose reader is gone stops that thread at the next
-    disconnect, and with it every socket of the context (no new connection ever connects)."""
-    address = f"inproc://tandem-monitor-{next(_monitors)}"
-    sock.monitor(address, zmq.EVENT_DISCONNECTED)
-    assert _actx is not None  # (made with the context that made `sock`)
-    mon = _actx.socket(zmq.PAIR)
+class Monitor:
+    """A ZMQ monitor on a socket, on from the moment it is made: made before the socket connects
+    or binds, it misses no event (a failed handshake is often the only one: libzmq does not
+    reconnect after it). One reader at a time (`_monitor`). The monitor is always turned off
+    BEFORE its reader is closed: libzmq's I/O thread sends monitor events with a blocking send, so
+    a monitor whose reader is gone stops that thread at the next event, and with it every socket
+    of the context (no new connection ever connects)."""
+
+    def __init__(self, sock: zmq.Socket, events: int) -> None:
+        address = f"inproc://tandem-monitor-{next(_monitors)}"
+        sock.monitor(address, events)
+        assert _actx is not None  # (made with the context that made `sock`)
+        self.sock, self.events = sock, events
+        self.pair = _actx.socket(zmq.PAIR)
+        self.pair.connect(address)
+
+    def close(self) -> None:
+        """Off (on a socket still open), then its reader's end closed."""
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+        self.pair.close(linger=0)
+
+
+async def _monitor(sock: Socket, events: int) -> AsyncGenerator[tuple[int, int], None]:
+    """Each (event, value) of `events` on `sock`: from its own monitor when it was made with one
+    (`watch=`), else from one turned on now."""
+    mon = _take_watcher(sock) or Monitor(sock, events)
     try:
-        mon.connect(address)
         while True:
-            parts = await mon.recv_multipart()
-            if zmq.utils.monitor.parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
-                yield None
+            event = zmq.utils.monitor.parse_monitor_message(await mon.pair.recv_multipart())
+            if event["event"] & events:
+                yield int(event["event"]), int(event["value"])
     finally:
-        if not sock.closed:
-            sock.disable_monitor()
-        mon.close(linger=0)
+        mon.close()
+
+
+async def disconnects(sock: Socket) -> AsyncGenerator[str, None]:
+    """One item each time `sock` loses a connection: "", or why its security handshake failed
+    (auth.handshake_failure: the peer holds other keys, or none)."""
+    why = ""
+    async with contextlib.aclosing(_monitor(sock, DISCONNECTS)) as events:
+        async for event, value in events:
+            if event == zmq.EVENT_DISCONNECTED:
+                yield why
+                why = ""
+            else:
+                why = auth.handshake_failure(event, value)
+
+
+async def count_refused_handshakes(sock: Socket, socket: str, log: logging.Logger) -> None:
+    """Until cancelled: each peer whose security handshake with bound `sock` failed (no keys, or
+    another cluster's) is counted in `protocol_errors` (socket, why) and logged, rate-limited."""
+    async with contextlib.aclosing(_monitor(sock, REFUSALS)) as events:
+        async for event, value in events:
+            refused(socket, auth.handshake_failure(event, value), log)
 
 
 def send_nowait(sock: Socket, msg: wire.Message, identity: bytes | None = None) -> None:

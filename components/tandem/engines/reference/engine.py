@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, ModelSpec
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
@@ -48,8 +49,9 @@ ComputeHook = Callable[[Batch, Compute], list[int]]
 class ReferenceEngine(Stepper):
     name = "reference"
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", page_size: int = 16,
-                 num_pages: int = 0, max_batch: int = 64, output_mode: OutputMode | None = None,
+    def __init__(self, model_dir: str | Path, *, device: str = WorkerConfig.device,
+                 page_size: int = WorkerConfig.page_size, num_pages: int = WorkerConfig.num_pages,
+                 max_batch: int = WorkerConfig.max_batch, output_mode: OutputMode | None = None,
                  dtype: str = "float32", max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                  handoff: HandoffSpec | None = None,
                  compute_hook: ComputeHook | None = None) -> None:

@@ -242,6 +242,7 @@ class DecodeSide:
                 p.fut.set_result(done)
 
     async def _watch(self, conn: _Conn) -> None:
-        async for _ in conn.channel.disconnects():
-            self._drop(conn, f"prefill worker at {conn.address} disconnected")
+        async for why in conn.channel.disconnects():
+            self._drop(conn, f"prefill worker at {conn.address} disconnected"
+                       + (f" ({why})" if why else ""))
             return

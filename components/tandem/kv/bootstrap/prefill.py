@@ -10,7 +10,8 @@ before the mover sees it, and the mover adds the peer off the event loop, one at
 identity): a second peer's `KvRoom` for it is refused, and only the binding peer may `KvCancel`
 it. A reply to a peer that is gone (EHOSTUNREACH under ROUTER_MANDATORY) or not reading (EAGAIN)
 is skipped. Each refusal is counted in `transport.protocol_errors` ("bootstrap", what) and logged
-rate-limited; nothing a peer sends ends the loops, which are supervised (a death is fatal).
+rate-limited, as is each peer whose security handshake failed (no keys, or another cluster's);
+nothing a peer sends ends the loops, which are supervised (a death is fatal).
 At most MAX_PEERS peers are known at once (the least recently heard idle one makes room) and
 MAX_ROOMS rooms wait at once, so memory stays bounded whatever peers send.
 """
@@ -110,6 +111,8 @@ class PrefillSide:
         self._loops.spawn(serve(self._channel, self.dispatch, "bootstrap", log),
                           name="kv-bootstrap")
         self._loops.spawn(self._expire_loop(), name="kv-expire")
+        self._loops.spawn(self._channel.count_refused_handshakes("bootstrap", log),
+                          name="kv-handshakes")
 
     async def close(self) -> None:
         await self._loops.close()
