@@ -48,6 +48,13 @@ def _count(what: str, socket: str = "worker") -> int:
     return transport.protocol_errors[(socket, what)]
 
 
+def _handshakes(socket: str = "worker") -> int:
+    """Failed handshakes counted, whatever the reason ZMQ gave: for a keyless peer, which side
+    sees the mechanism mismatch first is a race (the other sees only that the peer ended it)."""
+    return sum(n for (s, what), n in transport.protocol_errors.items()
+               if s == socket and what.startswith("handshake"))
+
+
 async def test_a_bound_socket_counts_and_logs_every_refused_handshake(
         tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     cluster, other = _keys(tmp_path / "a"), _keys(tmp_path / "b")
@@ -57,7 +64,7 @@ async def test_a_bound_socket_counts_and_logs_every_refused_handshake(
     counting = asyncio.ensure_future(
         transport.count_refused_handshakes(server, "worker", logging.getLogger("test.worker")))
     wrong_key = "handshake refused: the peer's key is not the cluster's"
-    before = (_count(MISMATCH), _count(wrong_key))
+    before = (_handshakes(), _count(wrong_key))
     transport.use_keys(None)
     plain = transport.dealer(addr, b"plain")  # no CURVE at all
     transport.send_nowait(plain, wire.LoadQuery(1))
@@ -68,7 +75,7 @@ async def test_a_bound_socket_counts_and_logs_every_refused_handshake(
     intruder.curve_serverkey = cluster.public
     try:
         with caplog.at_level("WARNING", logger="test.worker"):
-            await _until(lambda: _count(MISMATCH) > before[0], "the plain peer counted")
+            await _until(lambda: _handshakes() > before[0], "the plain peer counted")
             intruder.connect(addr)
             await _until(lambda: _count(wrong_key) > before[1], "the wrong key counted")
         assert any("worker socket: handshake" in r.getMessage() for r in caplog.records)
@@ -93,7 +100,10 @@ async def test_the_connecting_side_learns_why_its_handshake_failed(
     client = transport.dealer(addr, b"fe", watch=transport.DISCONNECTS)
     events = transport.disconnects(client)
     try:
-        assert await asyncio.wait_for(events.__anext__(), 10) == why
+        got = await asyncio.wait_for(events.__anext__(), 10)
+        # (A keyless side may also see only that the other ended the handshake, when the other
+        # noticed the mismatch first: a race. Either way it is named a failed handshake.)
+        assert got == why or (client_keys == "none" and got.startswith("handshake failed")), got
     finally:
         transport.close(client)
         await events.aclose()
