@@ -95,3 +95,40 @@ async def test_a_template_over_many_messages_renders_off_the_loop_whatever_their
         many = await c.post("/tokenize", json={"model": "tiny", "messages": messages})
     assert few.status_code == many.status_code == 200, (few.text, many.text)
     assert rendered == [True, False]
+
+
+async def test_large_jobs_off_the_loop_run_a_few_at_a_time(
+        pre: Preprocessor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each large tokenization can hold hundreds of MB (a 3.9M-character prompt: about 0.8 GB
+    here), so at most OFF_LOOP_JOBS run at once; the others wait their turn."""
+    import asyncio
+    import time
+
+    from tandem.frontend import app as app_module
+
+    monkeypatch.setattr(app_module, "OFF_LOOP_JOBS", 1)
+    running, most = [0], [0]
+    lock = threading.Lock()
+    real = pre.tokenizer.real
+
+    class Slow:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def encode_batch(self, *a: Any, **k: Any) -> Any:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.1)  # (long enough for the others to start, were they let)
+            with lock:
+                running[0] -= 1
+            return real.encode_batch(*a, **k)
+
+    pre.tokenizer = Slow()  # type: ignore[assignment]
+    text = "hello there " * THREAD_CHARS
+    async with client(pre) as c:
+        replies = await asyncio.gather(*(c.post("/tokenize", json={"model": "tiny",
+                                                                 "prompt": text})
+                                         for _ in range(4)))
+    assert [r.status_code for r in replies] == [200] * 4
+    assert most[0] == 1

@@ -49,6 +49,8 @@ log = logging.getLogger("tandem.frontend")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 THREAD_CHARS = 16_384  # work (characters, or their equivalent) past which a step runs in a thread
 MESSAGE_COST = 64  # a chat message costs the template this many characters' work, empty or not
+OFF_LOOP_JOBS = 2  # large templating/tokenizing jobs at once (a 3.9M-char prompt: ~0.8 GB)
+OFF_LOOP_WAIT_S = 60.0  # how long a large job waits for its turn before a 503
 _encode = msgspec.json.Encoder().encode
 
 
@@ -91,6 +93,7 @@ class FrontendApp:
         self.metrics.kv_usage(self._kv_usage)
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
+        self._heavy = asyncio.Semaphore(OFF_LOOP_JOBS)  # large jobs off the loop, at once
         self.created = int(time.time())
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
@@ -228,9 +231,9 @@ class FrontendApp:
             max_tokens = validate.chat_max_tokens(req)
             default_max: int | None = None  # vLLM: the rest of the context
             max_context = self._max_context()
-            text = await _maybe_thread(_template_work(messages), pre.render_chat, messages,
+            text = await self._off_loop(_template_work(messages), pre.render_chat, messages,
                                        req.tools, req.chat_template_kwargs, gil=True)
-            prompts = [await _maybe_thread(len(text), pre.encode_rendered, text)]
+            prompts = [await self._off_loop(len(text), pre.encode_rendered, text)]
         else:
             req = validate.decode_request(body, schemas.CompletionRequest)
             validate.check_model(req, self.model_name)
@@ -239,7 +242,7 @@ class FrontendApp:
             default_max = self.config.default_max_tokens
             max_context = self._max_context()
             chars = sum(len(p) for p in texts if isinstance(p, str))
-            prompts = await _maybe_thread(chars, pre.encode_prompts, texts)
+            prompts = await self._off_loop(chars, pre.encode_prompts, texts)
         opts = validate.options(req)
         choices: list[ChoiceSpec] = []
         for p, prompt_ids in enumerate(prompts):
@@ -322,22 +325,42 @@ class FrontendApp:
         if req.prompt is not None:
             prompt = req.prompt
             validate.check_prompt_chars(len(prompt), "prompt")
-            ids = await _maybe_thread(len(prompt), pre.encode_text, prompt,
+            ids = await self._off_loop(len(prompt), pre.encode_text, prompt,
                                       req.add_special_tokens is not False)
         else:
             messages = [validate.message_dict(m, i) for i, m in enumerate(req.messages or ())]
             validate.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
-            text = await _maybe_thread(_template_work(messages), pre.render_chat, messages, None,
+            text = await self._off_loop(_template_work(messages), pre.render_chat, messages, None,
                                        None, req.add_generation_prompt is not False, gil=True)
-            ids = await _maybe_thread(len(text), pre.encode_text, text,
+            ids = await self._off_loop(len(text), pre.encode_text, text,
                                       bool(req.add_special_tokens))
         return _encode(schemas.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
 
     async def _detokenize(self, body: bytes) -> bytes:
         req = validate.decode_request(body, schemas.DetokenizeRequest)
         validate.check_model(req, self.model_name)
-        text = await _maybe_thread(len(req.tokens), self.preprocessor.decode, req.tokens, False)
+        text = await self._off_loop(len(req.tokens), self.preprocessor.decode, req.tokens, False)
         return _encode(schemas.DetokenizeResponse(text))
+
+    async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any, gil: bool = False) -> T:
+        """`fn(*args)` here when `size` is small, else in a thread, so the loop keeps serving: as
+        `fn(*args, release_gil=True)` (a tokenizer's call, which would otherwise hold the GIL all
+        along), or with `gil` as it is (pure Python: the loop runs every switch interval). At most
+        OFF_LOOP_JOBS at once (each may hold hundreds of MB); the rest wait, within a deadline."""
+        if size <= THREAD_CHARS:
+            return fn(*args)
+        call = functools.partial(fn, *args) if gil else functools.partial(fn, *args,
+                                                                         release_gil=True)
+        try:
+            async with asyncio.timeout(OFF_LOOP_WAIT_S):
+                await self._heavy.acquire()
+        except TimeoutError:
+            raise errors.Unavailable("The server is busy with other large prompts.",
+                                     retry_after=1.0) from None
+        try:
+            return await asyncio.to_thread(call)
+        finally:
+            self._heavy.release()
 
     async def _health(self, ex: ResponseWriter) -> None:
         if self.pool.ready() and not self.draining:
@@ -363,16 +386,6 @@ T = TypeVar("T")
 def _template_work(messages: list[dict[str, Any]]) -> int:
     """What rendering the chat template over `messages` costs, in characters' worth."""
     return sum(len(m["content"] or "") for m in messages) + MESSAGE_COST * len(messages)
-
-
-async def _maybe_thread(size: int, fn: Callable[..., T], *args: Any, gil: bool = False) -> T:
-    """`fn(*args)` here when `size` is small, else in a thread, so the loop keeps serving: as
-    `fn(*args, release_gil=True)` (a tokenizer's call, which would otherwise hold the GIL all
-    along), or with `gil` as it is (pure Python, which lets the loop run every switch interval)."""
-    if size <= THREAD_CHARS:
-        return fn(*args)
-    call = functools.partial(fn, *args) if gil else functools.partial(fn, *args, release_gil=True)
-    return await asyncio.to_thread(call)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
