@@ -116,7 +116,10 @@ class Connection:
             await self.close()
         return res
 
-    async def _post(self, path: str, body: bytes, res: StreamResult) -> None:
+    async def send(self, path: str, body: bytes) -> tuple[asyncio.StreamReader, bytes, int,
+                                                          dict[bytes, bytes]]:
+        """POST `body` (JSON) on this connection (opened if need be); its reader, and the answer's
+        head, status and headers (names and values lower-cased)."""
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._reader, self._writer
@@ -124,15 +127,18 @@ class Connection:
         writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
                                                           len(body), body))
-        t0 = time.monotonic()
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.split(b"\r\n")
-        res.status = int(lines[0].split(b" ", 2)[1])
         headers = {}
         for line in lines[1:]:
             if line:
                 k, _, v = line.partition(b":")
                 headers[k.strip().lower()] = v.strip().lower()
+        return reader, head, int(lines[0].split(b" ", 2)[1]), headers
+
+    async def _post(self, path: str, body: bytes, res: StreamResult) -> None:
+        t0 = time.monotonic()
+        reader, head, res.status, headers = await self.send(path, body)
         if b"content-length" in headers:
             data = await reader.readexactly(int(headers[b"content-length"]))
             res.error = f"HTTP {res.status}: {data[:200]!r}"

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from perf import client
+
 _decode = msgspec.json.decode
 _END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked body
 
@@ -137,23 +139,9 @@ def parse_sse(payload: bytes, complete: bool) -> tuple[list[Any], str]:
     return events, ""
 
 
-class Connection:
+class Connection(client.Connection):
     """One keep-alive connection; one request at a time. Closed after any failure (the next
     request opens a new one)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def close(self) -> None:
-        w, self._writer, self._reader = self._writer, None, None
-        if w is not None:
-            w.close()
-            try:
-                await w.wait_closed()
-            except OSError:
-                pass
 
     async def request(self, path: str, api: str, body: bytes, stream: bool,
                       disconnect_after: int = 0, timeout_s: float = 120.0) -> Outcome:
@@ -174,21 +162,7 @@ class Connection:
 
     async def _request(self, path: str, api: str, body: bytes, stream: bool,
                        disconnect_after: int, out: Outcome) -> None:
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self._reader, self._writer
-        assert reader is not None
-        writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
-                                                          len(body), body))
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        out.status = int(lines[0].split(b" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                k, _, v = line.partition(b":")
-                headers[k.strip().lower()] = v.strip().lower()
+        reader, head, out.status, headers = await self.send(path, body)
         if b"content-length" in headers:
             data = await reader.readexactly(int(headers[b"content-length"]))
             if headers.get(b"connection") == b"close":
