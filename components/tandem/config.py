@@ -144,6 +144,12 @@ class WorkerConfig(MockTiming, Common):
                          type=non_negative_int)
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
+    prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "
+                             "keyed by their token prefix, and reuse them for later prompts that "
+                             "start the same way (--no-prefix-cache: recompute every prompt)")
+    check_kv: bool = opt(False, "check the KV page accounting after every engine step and stop "
+                         "the worker if it is broken (slow: for debugging; the test suite turns "
+                         "it on with TANDEM_CHECK_KV=1)")
     device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
     output_mode: OutputMode | Literal[""] = opt(
         "", "how the engine reports token ids: all so far (cumulative) or only the new ones "

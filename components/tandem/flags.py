@@ -121,8 +121,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], *, forward
             groups[flag.owner] = parser.add_argument_group(" ".join(doc.split()))
         kwargs: dict[str, Any] = {"dest": flag.dest, "help": help_text(flag)}
         kwargs["default"] = argparse.SUPPRESS if forwarded else flag.default
-        if isinstance(flag.default, bool):
-            kwargs["action"] = "store_true"
+        if isinstance(flag.default, bool):  # (on by default: --X and --no-X)
+            kwargs["action"] = argparse.BooleanOptionalAction if flag.default else "store_true"
         else:
             choices = flag.meta.get("choices")
             if choices:
@@ -164,7 +164,7 @@ def render(flag: Flag, value: Any) -> list[str]:
         if value == flag.default:
             return []
         if not value:
-            raise ValueError(f"{flag.flag} cannot be turned off from the command line")
+            return ["--no-" + flag.flag[2:]]
         return [flag.flag]
     if isinstance(value, tuple):
         return [flag.flag, ",".join(map(str, value))]

@@ -271,6 +271,7 @@ class KvRoom(_Msg):
 
     room: int
     pages: list[int]
+    skip: int = 0  # leading prompt pages the decode side has cached: write from page `skip` on
 
 
 class KvCancel(Message, tag=19):
@@ -297,6 +298,7 @@ class KvDone(_Msg):
     first_token: int = -1
     error: str = ""
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit, Prefills]
