@@ -219,7 +219,8 @@ class Stepper(Engine):
         with self._lock:
             return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
                         pages_free=self.pool.num_available, pages_total=self.num_pages,
-                        pages_reserved=self.pool.num_reserved)
+                        pages_reserved=self.pool.num_reserved, pages_cached=self.pool.num_cached,
+                        cache_queries=self.pool.queries, cache_hits=self.pool.hits)
 
     # --- what the handoff calls (tandem.engines.handoff.Host), on the loop --------------------------------
     def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:

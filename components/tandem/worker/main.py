@@ -46,7 +46,8 @@ async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         return (True, "") if server.ready else (False, "draining")
 
     metrics = worker_registry(lambda: server.num_requests if server else 0,
-                              lambda: server.draining if server else False)
+                              lambda: server.draining if server else False,
+                              lambda: server.load() if server else None)
     health = HealthServer(ready, cfg.host, cfg.health_port,
                           metrics=metrics.render) if cfg.health_port else None
     try:

@@ -114,6 +114,9 @@ class Load(_Msg):
     pages_total: int = 0
     pages_reserved: int = 0
     draining: bool = False  # the worker takes no new work (shutting down): place nothing here
+    pages_cached: int = 0  # of pages_free: cached full pages nobody holds (evicted when needed)
+    cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    cache_hits: int = 0  # of those, found cached (not computed)
 
 
 class Usage(_Msg):
