@@ -28,6 +28,7 @@ class StreamResult:
     gaps_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0  # from usage
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # from usage.prompt_tokens_details
     content_chunks: int = 0  # chunks carrying non-empty text
     finish_reason: str = ""
     text: str = ""
@@ -81,6 +82,7 @@ def verify_sse(body: bytes, res: StreamResult) -> None:
         return
     res.completion_tokens = int(usage["completion_tokens"])
     res.prompt_tokens = int(usage["prompt_tokens"])
+    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     res.text = "".join(texts)
     if not res.finish_reason:
         res.error = "no finish_reason"

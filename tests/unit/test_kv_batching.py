@@ -74,7 +74,7 @@ async def test_a_pass_of_rooms_leaves_as_one_message_and_one_kvdones_answers_the
     prefill.send(ident, KvDones([KvDone(r, True, 100 + r) for r in (1, 2, 3)]))
     prefill.send(ident, KvDones([KvDone(4, False, error="prefill failed")]))
     got = await asyncio.wait_for(asyncio.gather(first, *more, return_exceptions=True), 5)
-    assert got[:3] == [(101, None), (102, None), (103, None)]
+    assert got[:3] == [(101, None, 0), (102, None, 0), (103, None, 0)]
     assert isinstance(got[3], KvHandoffError) and "prefill failed" in str(got[3])
     assert released == [4]  # the failed one's pages, at once (a KvDone: nothing more lands)
     assert prefill.connects == [f"127.0.0.1:{prefill.port}"]  # one connection for all
@@ -86,7 +86,7 @@ async def test_a_cancel_in_the_same_pass_follows_its_room(sides) -> None:
     ident = await prefill.accept()
     await prefill.recv()
     prefill.send(ident, KvDones([KvDone(0, True, 7)]))
-    assert await warm == (7, None)
+    assert await warm == (7, None, 0)
     task = fetch(prefill, decode, 9)
     await asyncio.sleep(0)  # its KvRoom waits for the end of this pass...
     task.cancel()  # ...and its cancel, made in the same pass, goes after it
@@ -123,7 +123,7 @@ async def test_a_long_run_of_rooms_is_cut_at_the_batch_cap(sides, monkeypatch) -
     assert got == [KvRooms([KvRoom(2, [2]), KvRoom(3, [3])]),
                    KvRooms([KvRoom(4, [4]), KvRoom(5, [5])]), KvRooms([KvRoom(6, [6])])]
     prefill.send(ident, KvDones([KvDone(r, True, r) for r in range(1, 7)]))
-    assert await asyncio.wait_for(asyncio.gather(first, *more), 5) == [(r, None)
+    assert await asyncio.wait_for(asyncio.gather(first, *more), 5) == [(r, None, 0)
                                                                        for r in range(1, 7)]
 
 
@@ -138,4 +138,4 @@ async def test_a_prefill_side_that_forgot_our_hello_gets_it_again_on_a_new_conne
     assert second != first
     assert await prefill.recv() == (second, KvRooms([KvRoom(5, [5])]))
     prefill.send(second, KvDones([KvDone(5, True, 11)]))
-    assert await asyncio.wait_for(task, 5) == (11, None)
+    assert await asyncio.wait_for(task, 5) == (11, None, 0)
