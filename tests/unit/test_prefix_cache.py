@@ -322,3 +322,26 @@ async def test_pd_uses_both_caches_and_moves_only_missing_pages(tiny_model: str,
     finally:
         for e in (agg, prefill, decode):
             await e.shutdown()
+
+
+async def test_reference_migrated_request_is_exact_on_a_caching_worker(ref_pair: Any) -> None:
+    """A request moved mid-stream (its prompt plus the completion tokens already delivered,
+    `resume_offset` of them) to a worker that has its prompt cached continues exactly as the
+    unmoved request did, seeded, with the cache and without."""
+    from tandem.engines.base import EngineRequest
+
+    on, off = ref_pair
+    prompt = [(11 * i + 7) % 300 + 3 for i in range(21)]
+    sp = dict(max_tokens=10, ignore_eos=True, temperature=0.9, seed=21)
+    [whole] = await serve(on, [prompt], **sp)  # (its pages are cached on `on` now)
+    done = 4
+    moved = SamplingParams(max_tokens=10 - done, ignore_eos=True, temperature=0.9, seed=21)
+    for engine in (on, off):
+        rec = Recorder(engine)
+        run = rec.expect("moved")
+        run.handle = engine.submit(EngineRequest("moved", prompt + whole.ids[:done], moved,
+                                                 resume_offset=done), rec)
+        await finished(run)
+        assert run.ids == whole.ids[done:]
+        # (25 prompt tokens: the 6 full pages before the last one were cached by `whole`)
+        assert run.cached == (24 if engine is on else 0)
