@@ -275,7 +275,7 @@ async def test_a_decode_side_whose_hello_was_forgotten_says_hello_again(
             dest = await asyncio.wait_for(side.wait_room(room), 5)
             err = await side.send(room, dest, [0, 1], first_token=40 + room)
             assert err is None
-            first, _ = await asyncio.wait_for(fetch, 5)
+            first, _, _ = await asyncio.wait_for(fetch, 5)
             return first
 
         assert await one(1) == 41
