@@ -345,3 +345,13 @@ async def test_reference_migrated_request_is_exact_on_a_caching_worker(ref_pair:
         assert run.ids == whole.ids[done:]
         # (25 prompt tokens: the 6 full pages before the last one were cached by `whole`)
         assert run.cached == (24 if engine is on else 0)
+
+
+def test_a_room_with_a_bad_skip_is_refused() -> None:
+    from tandem.kv.bootstrap.checks import MAX_ROOM_PAGES, check_room
+    from tandem.runtime.wire import KvLayout, KvRoom
+
+    layout = KvLayout(0, 4096, 64)
+    assert check_room(KvRoom(1, [0, 1], 3), layout) is None
+    assert "skip" in (check_room(KvRoom(1, [0], -1), layout) or "")
+    assert "skip" in (check_room(KvRoom(1, [0], MAX_ROOM_PAGES + 1), layout) or "")
