@@ -193,7 +193,8 @@ class FakePool:
                  "in_flight": sum(1 for s in self.streams if s.entered and not s.exited),
                  "pages_free": 64, "pages_total": 64}]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> FakeHandle:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams,
+             session: str = "") -> FakeHandle:
         if self.unavailable is not None:
             raise self.unavailable
         self._n += 1

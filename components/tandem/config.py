@@ -36,13 +36,13 @@ from tandem.runtime.wire import OutputMode, Role, SamplingParams
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 HttpServer = Literal["uvicorn", "granian"]
-RouterPolicy = Literal["least-loaded", "round-robin", "prefix"]
+RouterPolicy = Literal["least-loaded", "round-robin", "prefix", "kv"]
 
 ROLES: tuple[Role, ...] = ("agg", "prefill", "decode")
 OUTPUT_MODES: tuple[OutputMode, ...] = ("cumulative", "incremental")
 LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 HTTP_SERVERS: tuple[HttpServer, ...] = ("uvicorn", "granian")
-ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("least-loaded", "round-robin", "prefix")
+ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("least-loaded", "round-robin", "prefix", "kv")
 ENGINES = ("reference", "mock", "sglang")  # what a worker can run (tandem.engines.factory builds it)
 PASSTHROUGH_ENGINES = ("sglang",)  # engines whose own flags pass through `tandem worker` untouched
 
@@ -195,9 +195,11 @@ class RouterConfig:
     """router flags: placement and admission (0 = unlimited for the per-worker limits)"""
 
     policy: RouterPolicy = opt("least-loaded", "how the router picks a worker within a role: "
-                               "least-loaded, round-robin, or prefix (the worker that last served "
-                               "the longest shared prompt prefix)", flag="--router-policy",
-                               choices=ROUTER_POLICIES)
+                               "least-loaded, round-robin, prefix (the worker that last served "
+                               "the longest shared prompt prefix), or kv (the lowest predicted "
+                               "time to first token from what each worker's KV events say it "
+                               "holds and its load; see README, \"KV-aware routing\")",
+                               flag="--router-policy", choices=ROUTER_POLICIES)
     max_inflight_per_worker: int = opt(4096, "most requests the router keeps on one worker; more "
                                        "wait in the router's queue (0 = unlimited)",
                                        type=non_negative_int)
@@ -210,6 +212,20 @@ class RouterConfig:
                                  "it gets 503", flag="--queue-timeout", type=positive_float)
     prefix_cache_blocks: int = opt(65_536, "prefix policy: prompt block hashes remembered (LRU), "
                                    "per role", type=positive_int)
+    kv_prefill_weight: float = opt(1.0, "kv policy: weight of a worker's prefill work (queued "
+                                   "plus the prompt tokens it lacks) in its cost",
+                                   type=non_negative_float)
+    kv_decode_weight: float = opt(1.0, "kv policy: weight of the tokens a worker's running "
+                                  "requests hold in its cost", type=non_negative_float)
+    kv_predict_ttl_s: float = opt(2.0, "kv policy: seconds a placement counts as cached on its "
+                                  "worker before that worker's events say so (siblings land "
+                                  "together)", flag="--kv-predict-ttl", type=non_negative_float)
+    kv_approx_ttl_s: float = opt(120.0, "kv policy: seconds a placement counts as cached on a "
+                                 "worker that publishes no KV events (its approximate index)",
+                                 flag="--kv-approx-ttl", type=non_negative_float)
+    session_ttl_s: float = opt(300.0, "kv policy: seconds a session (X-Session-ID, "
+                               "X-Correlation-ID or the request's user) prefers the worker of its "
+                               "last turn", flag="--session-ttl", type=non_negative_float)
     max_migrations: int = opt(2, "most times a request whose worker is lost mid-request is moved "
                               "to another worker (resumed after the tokens already sent); past "
                               "it the request fails (0 = never move)", type=non_negative_int)

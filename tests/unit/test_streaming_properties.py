@@ -115,7 +115,8 @@ class Harness:
     def metrics(self) -> str:
         return self.pool.registry.render()
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams,
+             session: str = "") -> RequestHandle:
         h = self.pool.open(prompt_ids, sampling)
         self.streams.append(h)
         return h

@@ -1,9 +1,9 @@
 """The HTTP app: a framework-free ASGI 3 application serving the OpenAI API in front of a worker pool.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON), GET /v1/models and
-/v1/models/{id}, POST /tokenize and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one
-registry shared with the pool, through prometheus_client) and /workers (the pool's snapshot). Every
-error is an OpenAI error body.
+Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON; a session header or the
+`user` field is the router's conversation key), GET /v1/models and /v1/models/{id}, POST /tokenize
+and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one registry shared with the pool)
+and /workers (the pool's snapshot). Every error is an OpenAI error body.
 
 Templating and tokenizing a large prompt runs in a thread, so the event loop (and the workers'
 heartbeats it answers) never waits long on it: each step is sized by its own work (a template by
@@ -34,8 +34,8 @@ import msgspec
 from tandem.config import FrontendConfig
 from tandem.frontend import schemas, validate
 from tandem.frontend.access import Traffic, log_stats
-from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter,
-                                  Scope, Send, content_length, read_body, watch_disconnect)
+from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
+                                  Send, content_length, read_body, session_of, watch_disconnect)
 from tandem.frontend.limits import BodyBudget
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
@@ -67,7 +67,8 @@ class Pool(Protocol):
 
     async def snapshot(self) -> list[dict[str, Any]]: ...
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Handle: ...
+    def open(self, prompt_ids: list[int], sampling: SamplingParams,
+             session: str = "") -> Handle: ...
 
 
 class FrontendApp:
@@ -172,7 +173,8 @@ class FrontendApp:
         m = self.metrics
         try:
             job = await self._prepare(kind, await self._body(scope, receive), t0)
-            handles = [self.pool.open(c.prompt_ids, c.sampling) for c in job.choices]
+            session = session_of(scope, job.user)
+            handles = [self.pool.open(c.prompt_ids, c.sampling, session) for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)
             await ex.error(e)
@@ -265,7 +267,7 @@ class FrontendApp:
             stream=opts.stream, include_usage=opts.include_usage,
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token)
+            token=pre.detokenizers.token, user=req.user or "")
 
     def _max_context(self) -> int:
         max_context = self.pool.max_context

@@ -50,6 +50,7 @@ class GenerationJob:
     logprobs: int | None = None  # render the tokens' logprobs (None: the response has none)
     continuous_usage: bool = False  # usage in every streamed chunk
     token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
+    user: str = ""  # the request's `user` (a conversation key for the router, with no header)
     # What the response loop reports back, for the access log:
     rid: str = ""
     completion_tokens: int = 0

@@ -156,6 +156,26 @@ def content_length(scope: Scope) -> int | None:
     return None
 
 
+# Headers that name a conversation, in the order they are preferred (vLLM's router and benchmarks,
+# llm-d, Dynamo, SGLang's gateway, aiperf).
+SESSION_HEADERS = (b"x-session-id", b"x-dynamo-session-id", b"x-smg-routing-key",
+                   b"x-correlation-id")
+MAX_SESSION_CHARS = 256
+
+
+def session_of(scope: Scope, user: str | None) -> str:
+    """The request's conversation key for the router: the first session header present, else the
+    body's `user` ("" for none); longer keys are cut (a key is only a preference)."""
+    found: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        if name in SESSION_HEADERS and value:
+            found.setdefault(name, value)
+    for name in SESSION_HEADERS:
+        if name in found:
+            return "h:" + found[name][:MAX_SESSION_CHARS].decode("latin-1")
+    return "u:" + user[:MAX_SESSION_CHARS] if user else ""
+
+
 class ServerCalls(Protocol):
     """What a server may offer a request beside ASGI, to write now instead of awaiting (tandem's
     uvicorn protocol does: tandem.frontend.uvicorn_protocol.Extensions). Each returns False,

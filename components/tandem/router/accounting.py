@@ -3,7 +3,7 @@ no clock; the worker link calls it where requests start, deltas arrive and reque
 (ARCHITECTURE.md, "Backpressure accounting").
 
 - `pending_prefill_tokens`: prompt tokens sent to a prefill or agg worker whose first delta has not
-  come back (its prefill is not done);
+  come back (its prefill is not done), less those the router expects it to have cached;
 - `active_decode_tokens`: prompt plus generated tokens of the requests decoding on an agg or decode
   worker;
 - `num_in_flight`: requests placed on the worker and not ended.
@@ -35,12 +35,13 @@ class WorkerAccount:
     pending_prefill_tokens: int = 0
     active_decode_tokens: int = 0
 
-    def open(self, share: Share, role: str, num_prompt_tokens: int) -> None:
-        """A request leg was placed on this worker (of `role`)."""
+    def open(self, share: Share, role: str, num_prompt_tokens: int, cached: int = 0) -> None:
+        """A request leg was placed on this worker (of `role`); `cached`: of its prompt, the
+        tokens the router expects the worker to have cached (not computed)."""
         self.num_in_flight += 1
         if role != "decode":
-            share.prefill_tokens = num_prompt_tokens
-            self.pending_prefill_tokens += num_prompt_tokens
+            share.prefill_tokens = max(0, num_prompt_tokens - cached)
+            self.pending_prefill_tokens += share.prefill_tokens
         if role != "prefill":
             share.decode_tokens = num_prompt_tokens
             self.active_decode_tokens += num_prompt_tokens

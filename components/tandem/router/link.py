@@ -246,7 +246,8 @@ class WorkerLink:
         self._placed.add((leg, msg))
         self.legs[leg.rid] = leg
         role = self.info.role if self.info is not None else "agg"
-        self.account.open(leg, role, len(msg.prompt_ids))
+        h = leg.handle
+        self.account.open(leg, role, len(msg.prompt_ids), h.cached_hint if h is not None else 0)
 
     def end(self, leg: Leg, abort: bool) -> None:
         """The leg leaves (its request was left, or failed elsewhere). Safe twice."""

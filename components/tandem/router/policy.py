@@ -9,7 +9,9 @@ what is left, in the pool's stable worker order; `served` tells the policy what 
   most free pages in the last report.
 - `prefix`: the worker that most recently served the longest shared prefix of the prompt, found by
   chained hashes of its page-sized blocks in a bounded LRU map hash -> worker (one per role); least
-  loaded when no block matches or the worker that has it is full.
+  loaded when no block matches or the worker that has it is full. It knows nothing of what the
+  workers evicted, nor of their load while it steers.
+- `kv` (tandem.router.kv_policy): what each worker holds (its KV events) and its load, in one cost.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from tandem.config import RouterConfig
 from tandem.runtime.wire import Load
 
 
@@ -38,10 +41,13 @@ class Candidate(Protocol):
 
 
 class Policy(Protocol):
-    def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int) -> Candidate: ...
+    """`session`: the request's conversation key ("" for none): only `kv` reads it."""
 
-    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int) -> None: ...
+    def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
+               page_size: int, session: str = "") -> Candidate: ...
+
+    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None: ...
 
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
@@ -52,10 +58,11 @@ def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
 
 class LeastLoaded:
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int) -> Candidate:
+               page_size: int, session: str = "") -> Candidate:
         return least_loaded(candidates)
 
-    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int) -> None:
+    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None:
         pass
 
 
@@ -69,14 +76,15 @@ class RoundRobin:
         return self._rank.setdefault(address, len(self._rank))
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int) -> Candidate:
+               page_size: int, session: str = "") -> Candidate:
         for c in candidates:
             self._ranked(c.address)
         last = self._last.get(role, -1)
         n = len(self._rank)
         return min(candidates, key=lambda c: (self._rank[c.address] - last - 1) % n)
 
-    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int) -> None:
+    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None:
         self._last[role] = self._ranked(chosen.address)
 
 
@@ -98,7 +106,7 @@ class PrefixAffinity:
         self.hits = 0  # requests sent to the worker holding their longest known prefix
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int) -> Candidate:
+               page_size: int, session: str = "") -> Candidate:
         owners = self._owner.get(role)
         if owners:
             by_address = {c.address: c for c in candidates}
@@ -113,7 +121,8 @@ class PrefixAffinity:
                 break  # the longest match is on a full worker: balance instead
         return least_loaded(candidates)
 
-    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int) -> None:
+    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None:
         owners = self._owner.setdefault(role, OrderedDict())
         for h in block_hashes(prompt_ids, page_size):
             owners[h] = chosen.address
@@ -122,11 +131,18 @@ class PrefixAffinity:
             owners.popitem(last=False)
 
 
-def make_policy(name: str, order: Sequence[str], prefix_blocks: int) -> Policy:
+def make_policy(name: str, order: Sequence[str], router: RouterConfig) -> Policy:
+    if name == "kv":
+        from tandem.router.kv_policy import KvAware
+
+        return KvAware(prefill_weight=router.kv_prefill_weight,
+                       decode_weight=router.kv_decode_weight,
+                       predict_ttl_s=router.kv_predict_ttl_s, approx_ttl_s=router.kv_approx_ttl_s,
+                       session_ttl_s=router.session_ttl_s)
     if name == "round-robin":
         return RoundRobin(order)
     if name == "least-loaded":
         return LeastLoaded()
     if name == "prefix":
-        return PrefixAffinity(prefix_blocks)
+        return PrefixAffinity(router.prefix_cache_blocks)
     raise ValueError(f"unknown router policy {name!r}")

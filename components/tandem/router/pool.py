@@ -71,8 +71,7 @@ class WorkerPool:
         self._started = False
         self.placed: dict[str, int] = {}  # requests placed per worker address (a counter)
         self.router = router or RouterConfig()
-        self.policy = make_policy(self.router.policy, list(addresses),
-                                  self.router.prefix_cache_blocks)
+        self.policy = make_policy(self.router.policy, list(addresses), self.router)
         self.registry = registry if registry is not None else Registry()
         self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
             self._place, RequestHandle.release, self.router.max_queue,
@@ -202,11 +201,13 @@ class WorkerPool:
             return well or room
         return room
 
-    def _choose(self, role: str, candidates: list[WorkerLink], prompt_ids: list[int]
+    def _choose(self, role: str, candidates: list[WorkerLink], h: RequestHandle
                 ) -> tuple[WorkerLink, int]:
         page_size = candidates[0].info.page_size  # type: ignore[union-attr]
-        chosen = self.policy.choose(role, candidates, prompt_ids, page_size)
+        chosen = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session)
         assert isinstance(chosen, WorkerLink)
+        if role != "decode":  # the accounting's pending prefill: what it will compute
+            h.cached_hint = getattr(self.policy, "overlaps", {}).get(role, 0)
         return chosen, page_size
 
     def _place(self, h: RequestHandle) -> RequestHandle | None:
@@ -219,12 +220,11 @@ class WorkerPool:
             ps, ds = self._candidates(prefill, ids), self._candidates(decode, ids)
             if not ps or not ds:
                 return None
-            (p, p_page), (d, d_page) = self._choose("prefill", ps, ids), \
-                self._choose("decode", ds, ids)
+            (p, p_page), (d, d_page) = self._choose("prefill", ps, h), self._choose("decode", ds, h)
             h.start(d, p, bootstrap_of(p, self._room()))
             self._count(p, d)
-            self.policy.served("prefill", p, ids, p_page)
-            self.policy.served("decode", d, ids, d_page)
+            self.policy.served("prefill", p, ids, p_page, h.session)
+            self.policy.served("decode", d, ids, d_page, h.session)
             return h
         agg_links = serving.get("agg")
         if not agg_links:
@@ -232,10 +232,10 @@ class WorkerPool:
         aggs = self._candidates(agg_links, ids)
         if not aggs:
             return None
-        agg, page = self._choose("agg", aggs, ids)
+        agg, page = self._choose("agg", aggs, h)
         h.start(agg)
         self._count(agg)
-        self.policy.served("agg", agg, ids, page)
+        self.policy.served("agg", agg, ids, page, h.session)
         return h
 
     def _count(self, *links: WorkerLink) -> None:
@@ -286,12 +286,16 @@ class WorkerPool:
         """A PD pair's bootstrap room: 63 random bits."""
         return int.from_bytes(self._random(8), "little") >> 1
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams,
+             session: str = "") -> RequestHandle:
+        """A request to place (`session`: its conversation key, "" for none)."""
         if not self.ready():
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        return RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
-                             self.requests, self._admission.try_admit)
+        h = RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
+                          self.requests, self._admission.try_admit)
+        h.session = session
+        return h
 
     async def snapshot(self) -> list[dict[str, Any]]:
         loads = await asyncio.gather(*(w.query_load() for w in self.links))

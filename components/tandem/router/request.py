@@ -159,7 +159,8 @@ class Leg(Share):
 
 class RequestHandle:
     __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
-                 "options", "_admit", "_admit_now", "_timer", "_moving", "_left")
+                 "options", "session", "cached_hint", "_admit", "_admit_now", "_timer", "_moving",
+                 "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                  admit: Callable[[RequestHandle], Awaitable[Any]], options: RequestOptions,
@@ -172,6 +173,8 @@ class RequestHandle:
         self.tokens: list[int] = []  # completion tokens delivered to the collector, in order
         self.migrations = 0
         self.options = options
+        self.session = ""  # the conversation it belongs to (the kv policy's preference)
+        self.cached_hint = 0  # prompt tokens the policy expects its prefill worker to have cached
         self._admit = admit
         self._admit_now = admit_now  # admit's no-wait path: placed, or None
         self._timer: asyncio.TimerHandle | None = None

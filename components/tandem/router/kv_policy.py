@@ -1,0 +1,131 @@
+"""The `kv` routing policy: place a request where it will get its first token soonest, counting
+what each worker already holds (tandem.router.kv_index, fed by the workers' KV events).
+
+Per candidate worker, in tokens:
+
+    cost = prefill_weight * (pending prefill + the prompt's tokens it does not hold)
+         + decode_weight * tokens its running requests hold (its last load report)
+
+and the lowest cost wins (ties: fewest requests in flight, then the pool's order). "Does not
+hold": the prompt minus the leading full pages the worker's index has, or that this router placed
+there moments ago (siblings arriving before the first event), at most all pages but the last (a
+worker always computes the last prompt token). The pending prefill counts only what the router
+predicted uncached for the requests it placed (tandem.router.accounting), so a worker that holds a
+hot prefix is not charged its full length per request; and because the load term grows with every
+request it takes, a hot prefix spreads to a second worker as soon as queueing behind the first
+would cost more than computing the prefix again: the policy never piles a prefix onto one worker
+regardless of load. Within the held-token term a shared prefix counts once (the engine reports
+pages, not requests).
+
+Sessions (`session`: from `X-Session-ID`, `X-Correlation-ID` and similar headers, or the request's
+`user`): the worker that served a session's last turn is assumed to hold that turn's prompt when
+the new prompt continues it, for `session_ttl_s` after the last turn. A preference through the cost,
+never a pin: a full worker is not a candidate at all, and a cheaper one still wins.
+
+In PD the same cost chooses the prefill worker; the decode worker is chosen by the same rule
+without a pending prefill (its cached pages save a transfer, not a computation). `last_overlap` is
+`overlaps[role]` is the predicted cached tokens of the role's last choice (the pool hands it to the
+accounting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from tandem.router.kv_index import EventLog, WorkerIndex
+from tandem.router.policy import Candidate, block_hashes
+
+__all__ = ["KvAware"]
+
+
+class KvAware:
+    def __init__(self, *, prefill_weight: float = 1.0, decode_weight: float = 1.0,
+                 predict_ttl_s: float = 2.0, approx_ttl_s: float = 120.0,
+                 session_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
+        self.predict_ttl_s, self.approx_ttl_s = predict_ttl_s, approx_ttl_s
+        self.session_ttl_s = session_ttl_s
+        self.clock = clock
+        self.indexes: dict[str, WorkerIndex] = {}  # worker address -> what it holds
+        self.logs: dict[str, EventLog] = {}  # worker address -> its event stream
+        # (role, session) -> (worker address, the last prompt's last block key, its block count,
+        # expiry)
+        self._sessions: dict[tuple[str, str], tuple[str, int, int, float]] = {}
+        self.overlaps: dict[str, int] = {}  # role -> predicted cached tokens of its last choice
+        self._keys: tuple[list[int], int, list[int]] = ([], 0, [])  # (prompt, size, its keys)
+        self.predicted: dict[str, int] = {}  # worker -> predicted cached tokens placed there
+        self.seconds = 0.0  # wall time spent choosing and recording (placement)
+
+    def index(self, address: str, page_size: int) -> WorkerIndex:
+        idx = self.indexes.get(address)
+        if idx is None:
+            idx = self.indexes[address] = WorkerIndex(page_size, self.predict_ttl_s,
+                                                      self.approx_ttl_s)
+            self.logs[address] = EventLog(idx)
+        return idx
+
+    def forget(self, address: str) -> None:
+        """The worker left: drop its index."""
+        self.indexes.pop(address, None)
+        self.logs.pop(address, None)
+
+    def _block_keys(self, prompt_ids: list[int], page_size: int) -> list[int]:
+        """The prompt's block keys (computed once for both legs of a PD request)."""
+        prompt, size, keys = self._keys
+        if prompt is not prompt_ids or size != page_size:
+            keys = block_hashes(prompt_ids, page_size)
+            self._keys = (prompt_ids, page_size, keys)
+        return keys
+
+    def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
+               page_size: int, session: str = "") -> Candidate:
+        t0 = time.perf_counter()
+        now = self.clock()
+        keys = self._block_keys(prompt_ids, page_size)
+        n = len(prompt_ids)
+        most = (n - 1) // page_size  # pages a worker may have cached: all but the last token's
+        hint = self._sessions.get((role, session)) if session else None
+        if hint is not None and hint[3] < now:
+            hint = None
+        best: Candidate | None = None
+        best_cost, best_overlap = 0.0, 0
+        pw, dw = self.prefill_weight, self.decode_weight
+        for c in candidates:
+            blocks = self.index(c.address, page_size).overlap(keys, now)
+            if hint is not None and hint[0] == c.address and hint[2] <= len(keys) and \
+                    keys[hint[2] - 1] == hint[1]:
+                blocks = max(blocks, hint[2])  # the session's last turn, continued
+            overlap = min(blocks, most) * page_size
+            load = c.load
+            held = (load.pages_total - load.pages_free) * page_size
+            pending = c.pending_prefill_tokens if role != "decode" else 0
+            cost = pw * (pending + n - overlap) + dw * held
+            if best is None or cost < best_cost or (cost == best_cost and
+                                                    c.num_in_flight < best.num_in_flight):
+                best, best_cost, best_overlap = c, cost, overlap
+        assert best is not None
+        self.overlaps[role] = best_overlap
+        self.seconds += time.perf_counter() - t0
+        return best
+
+    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None:
+        t0 = time.perf_counter()
+        now = self.clock()
+        keys = self._block_keys(prompt_ids, page_size)
+        self.index(chosen.address, page_size).placed(keys, now)
+        self.predicted[chosen.address] = self.predicted.get(chosen.address, 0) + \
+            self.overlaps.get(role, 0)
+        if session and keys:
+            self._sessions[(role, session)] = (chosen.address, keys[-1], len(keys),
+                                               now + self.session_ttl_s)
+            if len(self._sessions) % 4096 == 0:
+                for k in [k for k, v in self._sessions.items() if v[3] < now]:
+                    del self._sessions[k]
+        self.seconds += time.perf_counter() - t0
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,159 @@
+"""The kv policy's index against scripted event streams (gaps, replays, removals, a worker that
+never publishes) and its placement against hand-computed cases (tandem.router.kv_index,
+tandem.router.kv_policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.router.kv_index import EventLog, WorkerIndex
+from tandem.router.kv_policy import KvAware
+from tandem.router.policy import block_hashes
+from tandem.runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.runtime.wire import Load
+
+P = 4
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=P)
+
+
+PROMPT = list(range(10, 30))  # 20 tokens: 5 full pages
+KEYS = block_hashes(PROMPT, P)
+
+
+def test_events_build_the_routers_own_keys_from_token_ids() -> None:
+    idx = WorkerIndex(P)
+    # the engine's hashes are arbitrary identities; a run of two, then one child of the second
+    idx.apply([stored([901, 902], None, PROMPT[:8]), stored([777], 902, PROMPT[8:12])], 0.0)
+    assert idx.overlap(KEYS, 0.0) == 3 and idx.size == 3
+    idx.apply([BlockRemoved(block_hashes=[902])], 1.0)
+    assert idx.overlap(KEYS, 1.0) == 1  # the chain breaks where a block went
+    idx.apply([stored([5], 12345, PROMPT[12:16])], 1.0)  # a parent it never saw: skipped
+    assert idx.unknown_parents == 1 and idx.size == 2
+    idx.apply([AllBlocksCleared()], 2.0)
+    assert idx.size == 0 and idx.overlap(KEYS, 2.0) == 0
+    assert idx.events_applied == 5 and idx.last_event_at == 2.0
+
+
+def test_a_block_size_other_than_the_routers_is_not_used() -> None:
+    idx = WorkerIndex(P)
+    idx.apply([BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=PROMPT[:8],
+                           block_size=8)], 0.0)
+    assert idx.size == 0
+
+
+def test_a_gap_asks_for_a_replay_and_holds_what_arrives_meanwhile() -> None:
+    idx = WorkerIndex(P)
+    log = EventLog(idx)
+    assert log.live(0, [stored([1], None, PROMPT[0:4])], 0.0) is None
+    assert log.live(2, [stored([3], 2, PROMPT[8:12])], 0.0) == 1  # batch 1 lost: replay from 1
+    assert log.live(3, [stored([4], 3, PROMPT[12:16])], 0.0) is None  # held
+    assert idx.size == 1
+    log.replayed([(1, [stored([2], 1, PROMPT[4:8])]), (2, [stored([3], 2, PROMPT[8:12])])], 1.0)
+    assert idx.overlap(KEYS, 1.0) == 4 and log.next == 4 and log.gaps == 1 and log.resets == 0
+    assert log.live(3, [], 1.0) is None and log.next == 4  # a duplicate is ignored
+
+
+def test_a_gap_the_replay_cannot_fill_drops_the_index_and_starts_over() -> None:
+    idx = WorkerIndex(P)
+    log = EventLog(idx)
+    log.live(0, [stored([1], None, PROMPT[0:4])], 0.0)
+    assert log.live(5, [stored([9], None, [50, 51, 52, 53])], 0.0) == 1
+    log.replayed([(3, [stored([2], 1, PROMPT[4:8])]), (4, [])], 0.0)  # it kept only 3 on
+    assert log.resets == 1 and log.next == 6 and log.replayed_batches == 2
+    assert idx.overlap(KEYS, 0.0) == 0  # what batch 0 said is gone with the reset
+    assert idx.overlap(block_hashes([50, 51, 52, 53], P), 0.0) == 1
+
+
+def test_a_stream_joined_late_replays_from_the_start() -> None:
+    log = EventLog(WorkerIndex(P))
+    assert log.live(7, [], 0.0) == 0
+
+
+def test_a_worker_without_events_gets_an_approximate_index_that_expires() -> None:
+    idx = WorkerIndex(P, predict_ttl_s=2.0, approx_ttl_s=120.0)
+    idx.placed(KEYS[:3], 0.0)
+    assert idx.overlap(KEYS, 100.0) == 3 and idx.overlap(KEYS, 121.0) == 0
+    idx.events = True  # once it publishes, a placement is only a short prediction
+    idx.placed(KEYS[:3], 200.0)
+    assert idx.overlap(KEYS, 201.0) == 3 and idx.overlap(KEYS, 203.0) == 0
+
+
+@dataclass
+class Worker:
+    address: str
+    load: Load = field(default_factory=lambda: Load(pages_free=100, pages_total=100))
+    pending_prefill_tokens: int = 0
+    active_decode_tokens: int = 0
+    num_in_flight: int = 0
+
+
+def policy(now: list[float]) -> KvAware:
+    return KvAware(clock=lambda: now[0])
+
+
+def test_the_worker_that_holds_the_prefix_wins_until_its_load_outweighs_it() -> None:
+    now = [0.0]
+    kv = policy(now)
+    a, b = Worker("a"), Worker("b")
+    for w in (a, b):
+        kv.index(w.address, P).events = True
+    kv.index("b", P).apply([stored([1, 2, 3, 4], None, PROMPT[:16])], 0.0)
+    # a: cost 20 (computes all); b: 20 - 16 = 4
+    assert kv.choose("agg", [a, b], PROMPT, P) is b and kv.overlaps["agg"] == 16
+    # b's running requests hold 5 pages (20 tokens): 4 + 20 = 24 > 20
+    b.load = Load(pages_free=95, pages_total=100)
+    assert kv.choose("agg", [a, b], PROMPT, P) is a and kv.overlaps["agg"] == 0
+    # ... or its queue: 17 pending prefill tokens, 4 + 17 = 21 > 20
+    b.load = Load(pages_free=100, pages_total=100)
+    b.pending_prefill_tokens = 17
+    assert kv.choose("agg", [a, b], PROMPT, P) is a
+
+
+def test_the_last_prompt_page_is_always_computed() -> None:
+    now = [0.0]
+    kv = policy(now)
+    a = Worker("a")
+    kv.index("a", P).apply([stored([1, 2, 3, 4, 5], None, PROMPT)], 0.0)
+    kv.choose("agg", [a], PROMPT, P)
+    assert kv.overlaps["agg"] == 16  # 5 pages held, 4 usable: the last token is computed
+
+
+def test_siblings_land_together_before_the_first_event() -> None:
+    now = [0.0]
+    kv = policy(now)
+    a, b = Worker("a"), Worker("b")
+    for w in (a, b):
+        kv.index(w.address, P).events = True
+    first = kv.choose("agg", [a, b], PROMPT, P)
+    kv.served("agg", first, PROMPT, P)
+    now[0] = 0.5
+    assert kv.choose("agg", [a, b], PROMPT, P) is first  # predicted, not yet announced
+    assert kv.predicted == {first.address: 0}
+    now[0] = 3.0  # the prediction expired and no event came: no preference left
+    kv.choose("agg", [b, a], PROMPT, P)
+    assert kv.overlaps["agg"] == 0
+
+
+def test_a_session_prefers_its_last_worker_only_while_the_prompt_continues() -> None:
+    now = [0.0]
+    kv = policy(now)
+    a, b = Worker("a"), Worker("b")
+    for w in (a, b):
+        kv.index(w.address, P).events = True
+    turn1 = PROMPT[:12]
+    kv.served("agg", b, turn1, P, session="s1")
+    now[0] = 10.0  # past the prediction; no events: only the session knows
+    turn2 = turn1 + [40, 41, 42, 43, 44]
+    assert kv.choose("agg", [a, b], turn2, P, session="s1") is b
+    assert kv.overlaps["agg"] == 12
+    other = [99] * 17
+    assert kv.choose("agg", [a, b], other, P, session="s1") is a  # not a continuation
+    b.load = Load(pages_free=80, pages_total=100)  # a preference, not a pin
+    assert kv.choose("agg", [a, b], turn2, P, session="s1") is a
+    now[0] = 400.0  # idle past the session TTL
+    b.load = Load(pages_free=100, pages_total=100)
+    assert kv.choose("agg", [a, b], turn2, P, session="s1") is a
