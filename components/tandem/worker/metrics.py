@@ -10,7 +10,13 @@ time (nothing is mirrored on the hot path):
   could not be answered (`transport.protocol_errors`: bad requests, foreign aborts, bad credit,
   refused KV hellos and rooms, replies to gone peers, ...), and peers whose security handshake
   failed (`handshake refused: ...`, `handshake failed: ...`: no keys, or another cluster's);
-- `tandem_worker_requests_in_flight` and `tandem_worker_draining`.
+- `tandem_worker_requests_in_flight` and `tandem_worker_draining`;
+- with KV events on (tandem.worker.kv_events): `tandem_worker_kv_events_published_total` (events in
+  the batches the PUB socket took), `tandem_worker_kv_event_batches_published_total`,
+  `tandem_worker_kv_event_batches_dropped_total` (refused at the high-water mark: still
+  replayable), `tandem_worker_kv_event_replay_requests_total` and
+  `tandem_worker_kv_event_batches_replayed_total`; their handshake failures and bad replay
+  requests count in the protocol errors (sockets "kv-events", "kv-replay").
 """
 
 from __future__ import annotations
@@ -19,9 +25,25 @@ from collections.abc import Callable
 
 from tandem.runtime import transport
 from tandem.runtime.metrics import Registry, Samples
+from tandem.worker.kv_events import KvEventCounts
+
+_KV_EVENT_COUNTERS = (
+    ("tandem_worker_kv_events_published_total", "events_published",
+     "KV events in the batches the PUB socket took"),
+    ("tandem_worker_kv_event_batches_published_total", "batches_published",
+     "KV event batches the PUB socket took"),
+    ("tandem_worker_kv_event_batches_dropped_total", "batches_dropped",
+     "KV event batches the PUB socket refused (a subscriber's queue was full; still replayable)"),
+    ("tandem_worker_kv_event_replay_requests_total", "replay_requests",
+     "KV event replay requests served"),
+    ("tandem_worker_kv_event_batches_replayed_total", "batches_replayed",
+     "KV event batches sent in answer to replay requests"),
+)
 
 
-def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool]) -> Registry:
+def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool],
+                    kv_events: Callable[[], KvEventCounts | None] = lambda: None) -> Registry:
+    """`kv_events`: the publisher's counts, None while there is none (no series then)."""
     reg = Registry()
 
     def bad() -> Samples:
@@ -41,4 +63,13 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
                  lambda: [((), num_requests())])
     reg.callback("tandem_worker_draining", "1 while the worker takes no new work",
                  lambda: [((), int(draining()))])
+
+    def count(field: str) -> Callable[[], Samples]:
+        def read() -> Samples:
+            counts = kv_events()
+            return [] if counts is None else [((), getattr(counts, field))]
+        return read
+
+    for name, field, help in _KV_EVENT_COUNTERS:
+        reg.callback(name, help, count(field), kind="counter")
     return reg
