@@ -75,9 +75,12 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _bind(kind: int, host: str, port: int, keys: auth.ClusterKeys | None) -> transport.Socket:
+def _bind(kind: int, host: str, port: int, keys: auth.ClusterKeys | None,
+          options: Sequence[tuple[int, int]]) -> transport.Socket:
     """A socket of `kind` bound at tcp://host:port (0: a port the OS picks), with a monitor
-    counting failed handshakes from before it binds, and CURVE when the cluster has keys."""
+    counting failed handshakes from before it binds, CURVE when the cluster has keys, and
+    `options` (set before it binds: ZMQ gives the connections it accepts the options it had
+    then)."""
     address = f"tcp://{_url_host(host)}:{port or '*'}"
     auth.require_for(address, keys)
     sock = transport.context().socket(kind, socket_class=transport.Socket)
@@ -88,9 +91,8 @@ def _bind(kind: int, host: str, port: int, keys: auth.ClusterKeys | None) -> tra
             auth.make_server(sock, keys)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
-        for option, value in _KEEPALIVE:
+        for option, value in (*_KEEPALIVE, (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), *options):
             sock.setsockopt(option, value)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         sock.bind(address)
     except BaseException:
         transport.close(sock)
@@ -137,14 +139,14 @@ class KvEventPublisher:
     async def start(self) -> None:
         """Bind both sockets (AuthError beyond loopback without keys; ZMQError if a port is
         taken) and serve replay requests from now on."""
-        self._pub = _bind(zmq.PUB, self.host, self.port, self.keys)
-        self._pub.setsockopt(zmq.SNDHWM, self.hwm)
-        self._pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted) rather than drop silently
+        # The PUB socket refuses a batch (counted) rather than drop it silently for one peer.
+        self._pub = _bind(zmq.PUB, self.host, self.port, self.keys,
+                          ((zmq.SNDHWM, self.hwm), (zmq.XPUB_NODROP, 1)))
         self.port = _port_of(self._pub)
-        self._replay = replay = _bind(zmq.ROUTER, self.host, self.replay_port, self.keys)
-        replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone or full peer raises: the reply stops
-        replay.setsockopt(zmq.SNDHWM, max(self.hwm, (self._buffer.maxlen or 0) + 1))
-        replay.setsockopt(zmq.RCVHWM, 1000)
+        # A replay to a gone or full peer raises (ROUTER_MANDATORY): its answer stops there.
+        whole = max(self.hwm, (self._buffer.maxlen or 0) + 1)  # room for a whole answer
+        self._replay = replay = _bind(zmq.ROUTER, self.host, self.replay_port, self.keys, (
+            (zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, whole), (zmq.RCVHWM, 1000)))
         self.replay_port = _port_of(replay)
         self._loop = asyncio.get_running_loop()
         self._fd = int(replay.getsockopt(zmq.FD))
