@@ -240,15 +240,24 @@ async def test_with_the_cluster_keys_a_subscriber_needs_them(tmp_path: object) -
 
     auth.write_keys(Path(str(tmp_path)) / "keys")
     keys = auth.load_keys(Path(str(tmp_path)) / "keys")
-    try:
-        async for p in publisher(keys=keys):
-            sub = subscriber(p, keys)
-            try:
-                assert await joined(p, sub) >= 0  # CURVE on both sides: batches arrive
-            finally:
-                sub.close()
-    finally:
-        auth.stop_authenticators()
+
+    def refused(socket: str) -> int:
+        return sum(n for (s, what), n in transport.protocol_errors.items()
+                   if s == socket and what.startswith("handshake"))
+
+    async for p in publisher(keys=keys):
+        sub, plain, dealer = subscriber(p, keys), subscriber(p), actx().socket(zmq.DEALER)
+        before = refused("kv-events"), refused("kv-replay")
+        try:
+            assert await joined(p, sub) >= 0  # CURVE on both sides: batches arrive
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(p.replay_addr)
+            async with asyncio.timeout(DEADLINE):  # keyless peers: refused (so sent nothing)
+                while refused("kv-events") == before[0] or refused("kv-replay") == before[1]:
+                    await asyncio.sleep(0.01)
+        finally:
+            for s in (sub, plain, dealer):
+                s.close()
 
 
 @pytest.mark.parametrize("args, want", [
