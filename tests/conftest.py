@@ -10,6 +10,10 @@ import pytest
 
 from tests.cluster import Cluster
 
+# Every engine this suite starts, in this process or in a worker it spawns, checks its KV page
+# accounting (free + held + reserved + cached == total, a shared page once) after every step.
+os.environ["TANDEM_CHECK_KV"] = "1"
+
 
 def _has_cuda() -> bool:
     try:
@@ -59,6 +63,17 @@ def make_cluster(tiny_model: str, tmp_path: os.PathLike[str]) -> Iterator:
 
 
 _WEDGED_ZMQ_CONTEXTS: list[object] = []  # kept: collecting one would block in its term()
+
+
+@pytest.fixture(autouse=True)
+def _page_accounting_holds() -> Iterator[None]:
+    """A test in whose process an engine's page accounting check failed fails (a spawned
+    worker's failure stops that worker, which its test sees)."""
+    from tandem.engines import stepper
+
+    yield
+    broken, stepper.BROKEN[:] = list(stepper.BROKEN), []
+    assert not broken, f"KV page accounting broken: {broken}"
 
 
 @pytest.fixture(autouse=True)

@@ -144,6 +144,12 @@ class WorkerConfig(MockTiming, Common):
                          type=non_negative_int)
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
+    prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "
+                             "keyed by their token prefix, and reuse them for later prompts that "
+                             "start the same way (--no-prefix-cache: recompute every prompt)")
+    check_kv: bool = opt(False, "check the KV page accounting after every engine step and stop "
+                         "the worker if it is broken (slow: for debugging; the test suite turns "
+                         "it on with TANDEM_CHECK_KV=1)")
     device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
     output_mode: OutputMode | Literal[""] = opt(
         "", "how the engine reports token ids: all so far (cumulative) or only the new ones "
@@ -170,8 +176,8 @@ class WorkerConfig(MockTiming, Common):
     kv_events: bool = opt(True, "publish the engine's KV cache events (BlockStored, "
                           "BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket in the format vLLM "
                           "and SGLang use, with a replay socket; the handshake tells frontends "
-                          "where (mock and reference engines; for --engine sglang pass SGLang's "
-                          "own --kv-events-config)")
+                          "where (mock and reference engines with the prefix cache on; for "
+                          "--engine sglang pass SGLang's own --kv-events-config)")
     kv_events_port: int = opt(0, "port of the KV events PUB socket (0 = one the OS picks as the "
                               "worker binds; the handshake says which)", type=port_or_zero)
     kv_events_replay_port: int = opt(0, "port of the KV events replay socket (0 = one the OS "
@@ -196,8 +202,7 @@ class WorkerConfig(MockTiming, Common):
     def publishes_kv_events(self) -> bool:
         """tandem publishes the engine's KV events: asked for, and a tandem engine with its
         prefix cache on (SGLang publishes its own, through its --kv-events-config)."""
-        return bool(self.kv_events and self.engine in ("mock", "reference")
-                    and getattr(self, "prefix_cache", True))
+        return self.kv_events and self.prefix_cache and self.engine in ("mock", "reference")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class Run:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, when asked for
     outputs: list[tuple[list[int], str | None, int]] = field(default_factory=list)
     finish: str | None = None
+    cached: int = 0  # the last output's cached_tokens
     error: EngineError | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     handle: Handle | None = None
@@ -77,7 +78,7 @@ class Recorder:
                 assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
                 run.logprobs.extend(delta.logprobs)
         if out.finish_reason is not None:
-            run.finish = out.finish_reason
+            run.finish, run.cached = out.finish_reason, out.cached_tokens
             run.done.set()
 
     def submit(self, engine: Engine, rid: str, prompt: list[int], sp: SamplingParams,

@@ -137,7 +137,7 @@ async def worker(mock_dir: str, zmq_socket: bool = False, **cfg: Any) -> AsyncIt
         stop.set()
         await asyncio.wait_for(task, 30)
         await engine.shutdown()
-        assert engine.pool.num_free == 256  # every page came back
+        assert engine.pool.idle()  # every page came back (free or cached)
         engine.pool.check()
 
 

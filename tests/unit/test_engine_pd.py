@@ -41,12 +41,14 @@ class FakeDecodeChannel:
     cancellation the pages are released only when the test says `writes_over()`."""
 
     calls: list[list[int]] = field(default_factory=list)
+    skips: list[int] = field(default_factory=list)
     result: asyncio.Future[int] | None = None
     release: Callable[[], None] | None = None
 
     async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> int:
+                    release: Callable[[], None], skip: int = 0) -> int:
         self.calls.append(pages)
+        self.skips.append(skip)
         self.release = release
         self.result = asyncio.get_running_loop().create_future()
         try:

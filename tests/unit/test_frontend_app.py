@@ -84,7 +84,8 @@ async def test_chat_non_streamed(pre: Preprocessor) -> None:
     assert pool.opened[0][1].max_tokens == 256 - len(prompt)  # chat default: rest of context
     assert pool.opened[0][1].seed == 3
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(reply),
-                             "total_tokens": len(prompt) + len(reply)}
+                             "total_tokens": len(prompt) + len(reply),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert pool.aborted == []
 
 
@@ -139,7 +140,7 @@ async def test_completions_streamed_and_not(pre: Preprocessor) -> None:
     assert "".join(e["choices"][0]["text"] for e in evs[:-2]) == " world"
     assert evs[-2]["choices"] == [] and evs[-2]["usage"] == {
         "prompt_tokens": 3, "completion_tokens": len(pool.reply_ids),
-        "total_tokens": 3 + len(pool.reply_ids)}
+        "total_tokens": 3 + len(pool.reply_ids), "prompt_tokens_details": {"cached_tokens": 0}}
     assert evs[-1] == "[DONE]"
 
 

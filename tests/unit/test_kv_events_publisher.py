@@ -180,7 +180,7 @@ async def test_publish_never_raises_and_counts(pub: KvEventPublisher) -> None:
     assert pub.next_seq == 0 and pub.counts.batches_dropped == 1
     pub.publish(events(0))  # no subscriber: taken (and dropped by ZMQ, as PUB does)
     assert (pub.counts.batches_published, pub.counts.events_published) == (1, 2)
-    text = worker_registry(lambda: 0, lambda: False, lambda: pub.counts).render()
+    text = worker_registry(lambda: 0, lambda: False, kv_events=lambda: pub.counts).render()
     assert value(text, "tandem_worker_kv_events_published_total") == 2
     assert value(text, "tandem_worker_kv_event_batches_published_total") == 1
     assert value(text, "tandem_worker_kv_event_batches_dropped_total") == 1
@@ -281,6 +281,7 @@ def test_sglang_event_addresses(args: Sequence[str], want: tuple[str, str]) -> N
     (["--no-kv-events"], False, False),
     (["--engine", "reference"], True, True),
     (["--engine", "sglang"], True, False),  # SGLang publishes its own (--kv-events-config)
+    (["--no-prefix-cache"], True, False),  # no cache, no events
 ])
 def test_the_kv_events_flags(tmp_path: object, argv: list[str], on: bool,
                              publishes: bool) -> None:

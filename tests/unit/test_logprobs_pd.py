@@ -24,14 +24,16 @@ from tests.conformance.harness import Recorder, Run, finished, wait_idle
 
 @dataclass
 class Fabric:
-    """What the two in-memory channels share: the decode side's pages per room, the KV caches,
-    and each room's KvDone (the first token and its logprobs)."""
+    """What the two in-memory channels share: the decode side's pages per room (and how many
+    leading prompt pages it had cached), the KV caches, and each room's KvDone (the first token,
+    its logprobs, the prefill side's cached tokens)."""
 
-    rooms: dict[int, asyncio.Future[list[int]]] = field(default_factory=dict)
+    rooms: dict[int, asyncio.Future[tuple[list[int], int]]] = field(default_factory=dict)
     done: dict[int, asyncio.Future[First]] = field(default_factory=dict)
     kv: dict[str, Any] = field(default_factory=dict)
+    written: list[int] = field(default_factory=list)  # pages each write moved
 
-    def room(self, room: int) -> asyncio.Future[list[int]]:
+    def room(self, room: int) -> asyncio.Future[tuple[list[int], int]]:
         return self.rooms.setdefault(room, asyncio.get_running_loop().create_future())
 
     def result(self, room: int) -> asyncio.Future[First]:
@@ -49,16 +51,19 @@ class MemoryPrefill:
         pass
 
     async def wait_room(self, room: int) -> Destination:
-        return Destination(b"decode", "decode", await self.fabric.room(room))
+        pages, skip = await self.fabric.room(room)
+        return Destination(b"decode", "decode", pages, skip)
 
     def send(self, room: int, dest: Destination, local_pages: Seq[int], first_token: int,
-             first_logprobs: TokenLogprobs | None = None) -> asyncio.Task[KvHandoffError | None]:
+             first_logprobs: TokenLogprobs | None = None, cached_tokens: int = 0
+             ) -> asyncio.Task[KvHandoffError | None]:
         async def write() -> KvHandoffError | None:
             src, dst = self.fabric.kv.get("prefill"), self.fabric.kv.get("decode")
             if src is not None and dst is not None:  # the reference engine's caches (page-major)
-                n = len(dest.pages)
-                dst[list(dest.pages)] = src[list(local_pages)[:n]]
-            self.fabric.result(room).set_result((first_token, first_logprobs))
+                n, skip = len(dest.pages), dest.skip
+                dst[list(dest.pages)] = src[list(local_pages)[skip:skip + n]]
+            self.fabric.written.append(len(dest.pages))
+            self.fabric.result(room).set_result((first_token, first_logprobs, cached_tokens))
             return None
 
         return asyncio.get_running_loop().create_task(write())
@@ -79,8 +84,8 @@ class MemoryDecode:
         self.fabric = fabric
 
     async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> First:
-        self.fabric.room(bootstrap.room).set_result(pages)
+                    release: Callable[[], None], skip: int = 0) -> First:
+        self.fabric.room(bootstrap.room).set_result((pages, skip))
         try:
             return await self.fabric.result(bootstrap.room)
         except BaseException:

@@ -34,12 +34,17 @@ def test_pool_check_catches_a_double_count_and_a_lost_page():
     pool = PagePool(4, 16)
     a = pool.allocate("a", 2)
     free = [p for p in range(4) if p not in a]
-    check_accounting(4, free, [a])  # what check() checks: this holds
+    check_accounting(4, free, [a], [], [])  # what check() checks: this holds
     pool.check()
-    with pytest.raises(PagePoolError):  # the bug SGLang's streaming sessions had
-        check_accounting(4, free, [a, [a[0]]])
+    check_accounting(4, free, [a, [a[0]]], [], [], [2, 1, 0, 0])  # a shared page counts once
+    with pytest.raises(PagePoolError):  # ... and its reference count is its holders'
+        check_accounting(4, free, [a, [a[0]]], [], [], [1, 1, 0, 0])
+    with pytest.raises(PagePoolError):  # the bug SGLang's streaming sessions had: a page both
+        check_accounting(4, free[1:], [a], [], [a[0], free[0]])  # held and cached, unreferenced
     with pytest.raises(PagePoolError):  # a page nobody has
-        check_accounting(4, free[1:], [a])
+        check_accounting(4, free[1:], [a], [], [])
+    with pytest.raises(PagePoolError):  # a page both free and reserved
+        check_accounting(4, free, [a], [[free[0]]], [])
 
 
 def test_roundtrip():

@@ -44,13 +44,15 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
 
         return MockEngine(
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-            output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg))
+            output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg),
+            prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv)
     if cfg.engine == "reference":
         from tandem.engines.reference.engine import ReferenceEngine
 
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
-                               output_mode=cfg.output_mode or None, handoff=handoff)
+                               output_mode=cfg.output_mode or None, handoff=handoff,
+                               prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine
 

@@ -57,7 +57,7 @@ class Host(Protocol):
 
     def free(self, seq: Sequence) -> None: ...  # its pages are safe to reuse
     def joined(self, seq: Sequence, first: int,  # decode: K/V in place
-               logprobs: TokenLogprobs | None = None) -> None: ...
+               logprobs: TokenLogprobs | None = None, cached_tokens: int = 0) -> None: ...
     def written(self, seq: Sequence, first: int,  # prefill: K/V written
                 logprobs: TokenLogprobs | None = None) -> None: ...
     def failed(self, seq: Sequence, error: EngineError) -> None: ...  # ends with this error
@@ -75,19 +75,22 @@ class PrefillChannel(Protocol):
 
 
 class LogprobsPrefillChannel(PrefillChannel, Protocol):
-    """A prefill channel with `carries_logprobs = True`: KvDone carries the first token's."""
+    """A prefill channel with `carries_logprobs = True`: KvDone carries the first token's
+    logprobs, and the prompt tokens the prefill found cached."""
 
     def send(self, room: int, dest: Destination, local_pages: Seq[int], first_token: int,
-             first_logprobs: TokenLogprobs | None = None
+             first_logprobs: TokenLogprobs | None = None, cached_tokens: int = 0
              ) -> asyncio.Task[KvHandoffError | None]: ...
 
 
-First = tuple[int, TokenLogprobs | None]  # the first token, and its logprobs when asked for
+# The first token; with a channel that carries them, its logprobs and the prefill's cached tokens.
+First = tuple[int, TokenLogprobs | None, int]
+Sampled = tuple[int, TokenLogprobs | None]  # a prefill's first token and its logprobs
 
 
 class DecodeChannel(Protocol):
-    async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> int | First: ...
+    async def fetch(self, bootstrap: Bootstrap, pages: list[int], release: Callable[[], None],
+                    skip: int = 0) -> int | First: ...
     async def close(self) -> None: ...
 
 
@@ -97,7 +100,7 @@ class _State:
 
     __slots__ = ("task", "began", "first")
 
-    def __init__(self, first: asyncio.Future[First] | None = None) -> None:
+    def __init__(self, first: asyncio.Future[Sampled] | None = None) -> None:
         self.task: asyncio.Task[None] | None = None
         self.began = False
         self.first = first
@@ -176,11 +179,11 @@ class PrefillHandoff(_Handoff):
         except asyncio.CancelledError:
             self._ended(seq, room, "the prefill request was aborted")
             raise
-        if logprobs is None:
+        if not self.carries_logprobs:  # (check_request refused requests for logprobs)
             write = self.channel.send(room, dest, list(seq.pages), first)
-        else:  # (check_request let it in: the channel carries logprobs)
+        else:
             channel = cast(LogprobsPrefillChannel, self.channel)
-            write = channel.send(room, dest, list(seq.pages), first, logprobs)
+            write = channel.send(room, dest, list(seq.pages), first, logprobs, seq.cached_tokens)
         write.add_done_callback(partial(self._written, seq, first, logprobs))
 
     def _ended(self, seq: Sequence, room: int, why: str) -> None:
@@ -221,12 +224,13 @@ class DecodeHandoff(_Handoff):
         st.began = True  # from here the channel releases the pages on every failure
         assert seq.bootstrap is not None
         try:
-            got = await self.channel.fetch(seq.bootstrap, pages, partial(self.host.free, seq))
+            got = await self.channel.fetch(seq.bootstrap, pages, partial(self.host.free, seq),
+                                           seq.skip)
         except KvHandoffError as e:
             self.host.failed(seq, e)  # the pages come back when the channel releases them
             return
-        first, logprobs = got if isinstance(got, tuple) else (got, None)
-        self.host.joined(seq, first, logprobs)
+        first, logprobs, cached = got if isinstance(got, tuple) else (got, None, 0)
+        self.host.joined(seq, first, logprobs, cached)
 
 
 @dataclass(frozen=True)

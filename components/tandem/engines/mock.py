@@ -124,7 +124,9 @@ class MockEngine(Stepper):
     def __init__(self, model_dir: str, *, page_size: int = WorkerConfig.page_size,
                  num_pages: int = WorkerConfig.num_pages, max_batch: int = WorkerConfig.max_batch,
                  output_mode: OutputMode | None = None, timing: MockTiming = MockTiming(),
-                 handoff: HandoffSpec | None = None) -> None:
+                 handoff: HandoffSpec | None = None,
+                 prefix_cache: bool = WorkerConfig.prefix_cache,
+                 check_pages: bool = WorkerConfig.check_kv) -> None:
         cfg = read_model_config(model_dir)
         self.spec = spec_from_config(model_dir, cfg)
         heads = int(cfg.get("num_attention_heads", 8))
@@ -135,7 +137,7 @@ class MockEngine(Stepper):
         num_pages = num_pages or max(1, (max_batch * self.spec.max_context) // page_size)
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                          output_mode=output_mode, max_prefill_tokens=UNLIMITED_PREFILL_TOKENS,
-                         handoff=handoff)
+                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
         self.timing = timing
         self._avoid = frozenset(self.spec.eos_token_ids)
 

@@ -1,6 +1,7 @@
-"""A Stepper's outputs (tandem.engines.stepper): what a step hands to the loop (`Step`), an output
-that ends a request with no new id, and delivering a step's with one `on_step` call per sink. (What
-a step's tokens do to their sequences, and their outputs, is `Stepper._postprocess`.)
+"""A Stepper's outputs (tandem.engines.stepper): the one postprocess (`postprocess`: what a step's
+tokens do to their sequences, and their outputs), what a step hands to the loop (`Step`), an
+output that ends a request with no new id, and delivering a step's with one `on_step` call per
+sink.
 
 Outputs are made incremental: the new ids, and their logprobs, in lists of their own (the step
 already holds them); that is the default of tandem's engines. In cumulative mode `deliver` hands
@@ -14,7 +15,8 @@ import logging
 from dataclasses import dataclass, field
 
 from tandem.engines.base import EngineError, EngineOutput, OutputSink
-from tandem.engines.scheduler import Sequence
+from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
+from tandem.runtime.kv_events import KvEvent
 from tandem.runtime.wire import FinishReason, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
@@ -31,12 +33,14 @@ class Step:
     items: Items = field(default_factory=list)
     computed: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
+    events: list[KvEvent] = field(default_factory=list)  # the pool's, since the last step
+    broken: str = ""  # the page accounting check failed after this step (why)
 
 
 def ending(seq: Sequence, reason: FinishReason, error: EngineError | None = None) -> EngineOutput:
     """An output that ends `seq` with no new id (aborted, failed)."""
-    return EngineOutput(seq.rid, [], reason, len(seq.prompt_ids), len(seq.output_ids), 0, error,
-                        None if seq.logprobs is None else [])
+    return EngineOutput(seq.rid, [], reason, len(seq.prompt_ids), len(seq.output_ids),
+                        seq.cached_tokens, error, None if seq.logprobs is None else [])
 
 
 def deliver(engine: str, items: Items, cumulative: bool) -> None:
@@ -69,3 +73,69 @@ def deliver(engine: str, items: Items, cumulative: bool) -> None:
             sink.on_step(outs)
         except Exception:  # a consumer's bug must not stop the engine
             log.exception("%s engine: output sink failed", engine)
+
+
+def postprocess(name: str, sched: Scheduler, seqs: list[Sequence], tokens: list[int],
+                lps: list[TokenLogprobs | None] | None, error: Exception | None) -> Step:
+    """The one postprocess (under the engine's lock), for a step's tokens and a decode request's
+    first: each token recorded, the finish rule applied (written here once), computed full pages
+    cached, finished requests' pages freed, outputs made; a prefill-only request's first token
+    goes to the KV handoff."""
+    step = Step()
+    if error is not None:
+        log.error("%s engine step failed: %r", name, error)
+        err = EngineError(f"{name} engine step failed: {error!r}")
+        for seq in seqs:
+            seq.in_flight = False
+            if last_output(seq):
+                step.items.append((seq, ending(seq, "error", err)))
+            if seq.handoff is not None:
+                step.failed.append(seq)  # the handoff tells its peer, then frees the pages
+            else:
+                sched.finish(seq, "error")
+        return step
+    items, finished = step.items, SeqStatus.FINISHED
+    for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        seq.in_flight = False
+        if seq.done or seq.status is finished:  # cancelled or failed meanwhile
+            sched.finish(seq, "abort")
+            continue
+        out = seq.output_ids
+        n_prompt = len(seq.prompt_ids)
+        seq.num_cached = n_prompt + len(out)  # the K/V of every token before this one
+        if seq.num_cached >= seq.publish_at:  # it filled a page: cache it
+            sched.publish(seq)
+        if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
+            sched.to_sending(seq)
+            step.computed.append((seq, token, lps[i] if lps is not None else None))
+            continue
+        new_lps: list[TokenLogprobs] | None = None
+        if seq.logprobs is not None:  # (appended before the output can be read)
+            lp = lps[i] if lps is not None else None
+            if lp is None:  # the compute hook's bug: fail the request, not the engine
+                sched.finish(seq, "error")
+                seq.done = True
+                items.append((seq, ending(seq, "error", EngineError(
+                    f"{name} engine: the step computed no logprobs for {seq.rid}"))))
+                continue
+            seq.logprobs.append(lp)
+            new_lps = [lp]
+        out.append(token)
+        n = len(out)
+        finish: FinishReason | None = None  # the finish rule
+        if token in seq.stop_ids and seq.resume + n >= seq.sampling.min_tokens:
+            finish = "stop"
+        elif n_prompt + n >= seq.max_total:
+            finish = "length"
+        if finish is not None:
+            sched.finish(seq, finish)
+            seq.done = True
+        items.append((seq, EngineOutput(seq.rid, [token], finish, n_prompt, n,
+                                        seq.cached_tokens, None, new_lps)))
+    return step
+
+
+def last_output(seq: Sequence) -> bool:
+    """Whether `seq` may still get its last output (and mark that it got it)."""
+    last, seq.done = not seq.done, True
+    return last

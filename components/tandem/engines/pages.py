@@ -1,13 +1,28 @@
-"""PagePool: which KV pages are free, held by a running request, or reserved for an incoming
-transfer. Plain Python, no tensors, so it is unit-testable and shared by every engine.
+"""PagePool: which KV pages are free, held by running requests, reserved for an incoming transfer,
+or cached (full pages kept for their prefix, tandem.engines.prefix). Plain Python, no tensors, so
+it is unit-testable and shared by every engine.
 
-Invariant, checkable at any moment (`check()`): free + held + reserved == total, and no page is
-counted twice. When the system is idle every page is free.
+Invariant, checkable at any moment (`check()`): free + held + reserved + cached-unreferenced ==
+total, where a page held by several running requests (a shared prefix) counts once, and its
+reference count is the number of requests holding it. When the system is idle every page is free
+or cached.
+
+The prefix cache (`caching`): a full page whose K/V is computed can be `publish`ed under its key;
+a new request `match`es the keys of its prompt's leading full pages and `take`s the cached ones
+(shared, read only: nothing writes into a full page again) before new ones. A cached page no
+request holds is evictable: `allocate` and `reserve` take free pages first, then evict cached ones,
+least recently released first. A request's pages are released last page first, so a prefix's
+deeper pages are evicted before the pages they extend. Each store and eviction is recorded as a KV
+event (`events`, tandem.runtime.kv_events) for the engine to hand on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from tandem.engines.prefix import event_hash
 from tandem.runtime.errors import PagePoolError
+from tandem.runtime.kv_events import BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["PagePool", "PagePoolError", "check_accounting", "page_bytes"]
 
@@ -20,15 +35,22 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, caching: bool = False) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("num_pages and page_size must be positive")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.caching = caching
         # Pop from the end; lowest ids first so contiguous runs are likely (one NIXL descriptor).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._held: dict[str, list[int]] = {}
+        self._held: dict[str, list[int]] = {}  # owner -> its pages in order (shared ones first)
         self._reserved: dict[str, list[int]] = {}
+        self._refs = [0] * num_pages  # owners holding each page
+        self._key: dict[int, int] = {}  # cached page -> its key
+        self._page: dict[int, int] = {}  # key -> cached page
+        self._lru: dict[int, None] = {}  # cached pages nobody holds, least recently released first
+        self.events: list[KvEvent] = []  # stores and evictions since the engine last took them
+        self.queries = self.hits = 0  # prompt tokens looked up / found cached, at admission
 
     # --- counts ---------------------------------------------------------------------------------
     @property
@@ -36,73 +58,223 @@ class PagePool:
         return len(self._free)
 
     @property
-    def num_held(self) -> int:
-        return sum(len(p) for p in self._held.values())
+    def num_cached(self) -> int:
+        """Cached pages nobody holds (evictable)."""
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Pages a new request can get: free, or cached and evictable."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_reserved(self) -> int:
         return sum(len(p) for p in self._reserved.values())
 
+    @property
+    def num_held(self) -> int:
+        """Pages running requests hold, a shared page once."""
+        return self.num_pages - self.num_available - self.num_reserved
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    # --- verbs, in pairs ------------------------------------------------------------------------
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+    def idle(self) -> bool:
+        """Nobody holds or reserved a page: each is free or cached."""
+        return not self._held and not self._reserved
 
-    def allocate(self, owner: str, num_pages: int) -> list[int]:
-        """Give `owner` `num_pages` more pages (appended to what it holds); returns the new ones."""
-        if num_pages > len(self._free):
-            raise PagePoolError(f"need {num_pages} pages, {len(self._free)} free")
-        if owner in self._reserved:
-            raise PagePoolError(f"{owner} has reserved pages; commit them first")
-        new = [self._free.pop() for _ in range(num_pages)]
-        self._held.setdefault(owner, []).extend(new)
-        return new
-
-    def reserve(self, owner: str, num_pages: int) -> list[int]:
-        """Set pages aside for a transfer into them (decode side of PD)."""
-        if num_pages > len(self._free):
-            raise PagePoolError(f"need {num_pages} pages, {len(self._free)} free")
-        if owner in self._reserved or owner in self._held:
-            raise PagePoolError(f"{owner} already has pages")
-        pages = [self._free.pop() for _ in range(num_pages)]
-        self._reserved[owner] = pages
+    # --- the prefix cache -----------------------------------------------------------------------
+    def match(self, keys: Sequence[int], limit: int) -> list[int]:
+        """The cached pages of the leading `keys` (at most `limit`), in order; changes nothing."""
+        pages: list[int] = []
+        get = self._page.get
+        for key in keys[:limit]:
+            page = get(key)
+            if page is None:
+                break
+            pages.append(page)
         return pages
 
-    def commit(self, owner: str) -> list[int]:
-        """A transfer landed: the reserved pages become held by the running request."""
-        pages = self._reserved.pop(owner)
+    def can_take(self, hits: Sequence[int], num_new: int) -> bool:
+        """Whether `take(owner, hits, num_new)` would succeed (taking an unheld cached page makes
+        it unavailable for the new ones)."""
+        lru = self._lru
+        pinned = sum(1 for p in hits if p in lru) if lru else 0
+        return num_new <= len(self._free) + len(lru) - pinned
+
+    def publish(self, pages: Sequence[int], keys: Sequence[int], start: int, end: int,
+                tokens: Callable[[int, int], list[int]]) -> None:
+        """Pages `pages[start:end]` are full and computed: cache them under `keys[start:end]`. A
+        key already cached (another request computed the same prefix) keeps its page; ours stays
+        private. `tokens(a, b)` gives the sequence's ids [a, b) (for the event)."""
+        page_of, key_of = self._page, self._key
+        run: list[int] = []
+        first = start
+        for i in range(start, end):
+            page, key = pages[i], keys[i]
+            if key in page_of or page in key_of:
+                self._stored(run, keys, first, tokens)
+                run, first = [], i + 1
+                continue
+            page_of[key] = page
+            key_of[page] = key
+            run.append(key)
+        self._stored(run, keys, first, tokens)
+
+    def _stored(self, run: list[int], keys: Sequence[int], first: int,
+                tokens: Callable[[int, int], list[int]]) -> None:
+        if not run:
+            return
+        size = self.page_size
+        self.events.append(BlockStored(
+            block_hashes=[event_hash(k) for k in run],
+            parent_block_hash=event_hash(keys[first - 1]) if first else None,
+            token_ids=tokens(first * size, (first + len(run)) * size), block_size=size))
+
+    def _evict(self, n: int) -> None:
+        """Make `n` more pages free by evicting the least recently released cached ones."""
+        lru, gone = self._lru, []
+        for page in list(lru)[:n]:
+            del lru[page]
+            key = self._key.pop(page)
+            del self._page[key]
+            gone.append(event_hash(key))
+            self._free.append(page)
+        if len(gone) < n:
+            raise PagePoolError(f"need {n} pages more, {len(gone)} evictable")
+        self.events.append(BlockRemoved(block_hashes=gone))
+
+    def _new(self, n: int) -> list[int]:
+        short = n - len(self._free)
+        if short > 0:
+            self._evict(short)
+        free = self._free
+        return [free.pop() for _ in range(n)]
+
+    # --- verbs, in pairs ------------------------------------------------------------------------
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free) + len(self._lru)
+
+    def take(self, owner: str, hits: Sequence[int], num_new: int) -> list[int]:
+        """Give `owner` the cached pages `hits` (shared) and `num_new` new ones; returns all."""
+        if owner in self._held or owner in self._reserved:
+            raise PagePoolError(f"{owner} already has pages")
+        if not self.can_take(hits, num_new):
+            raise PagePoolError(f"need {num_new} pages, {self.num_available} available")
+        self._share(hits)
+        pages = [*hits, *self._new(num_new)]
+        for p in pages[len(hits):]:
+            self._refs[p] = 1
         self._held[owner] = pages
         return pages
 
+    def allocate(self, owner: str, num_pages: int) -> list[int]:
+        """Give `owner` `num_pages` more pages (appended to what it holds); returns the new ones."""
+        if num_pages > self.num_available:
+            raise PagePoolError(f"need {num_pages} pages, {self.num_available} available")
+        if owner in self._reserved:
+            raise PagePoolError(f"{owner} has reserved pages; commit them first")
+        new = self._new(num_pages)
+        for p in new:
+            self._refs[p] = 1
+        self._held.setdefault(owner, []).extend(new)
+        return new
+
+    def reserve(self, owner: str, num_pages: int, hits: Sequence[int] = ()) -> list[int]:
+        """Set pages aside for a transfer into them (decode side of PD), after the cached pages
+        `hits` it shares (which nothing writes into); returns the reserved ones."""
+        if owner in self._reserved or owner in self._held:
+            raise PagePoolError(f"{owner} already has pages")
+        if not self.can_take(hits, num_pages):
+            raise PagePoolError(f"need {num_pages} pages, {self.num_available} available")
+        if hits:
+            self._share(hits)
+            self._held[owner] = list(hits)
+        pages = self._new(num_pages)
+        self._reserved[owner] = pages
+        return pages
+
+    def _share(self, hits: Sequence[int]) -> None:
+        refs, lru = self._refs, self._lru
+        for p in hits:
+            if not refs[p]:
+                del lru[p]
+            refs[p] += 1
+
+    def commit(self, owner: str) -> list[int]:
+        """A transfer landed: the reserved pages become held by the running request (after the
+        cached ones it shares); returns all its pages."""
+        pages = self._reserved.pop(owner)
+        for p in pages:
+            self._refs[p] = 1
+        held = self._held.setdefault(owner, [])
+        held.extend(pages)
+        return held
+
     def pages_of(self, owner: str) -> list[int]:
-        return self._held.get(owner) or self._reserved.get(owner) or []
+        return self._held.get(owner, []) + self._reserved.get(owner, [])
 
     def free(self, owner: str) -> int:
-        """Return every page `owner` holds or reserved. Safe to call twice; returns pages freed."""
-        pages = self._held.pop(owner, [])
-        pages += self._reserved.pop(owner, [])
-        self._free.extend(reversed(pages))
-        return len(pages)
+        """Release every page `owner` holds or reserved, last first: a page nobody else holds is
+        free again, or evictable if cached. Safe to call twice; returns pages released."""
+        held = self._held.pop(owner, [])
+        reserved = self._reserved.pop(owner, [])
+        refs, key_of, lru, free = self._refs, self._key, self._lru, self._free
+        for p in reversed(held):
+            refs[p] -= 1
+            if refs[p] == 0:
+                if p in key_of:
+                    lru[p] = None
+                else:
+                    free.append(p)
+        free.extend(reversed(reserved))
+        return len(held) + len(reserved)
+
+    def clear_cache(self) -> int:
+        """Evict every cached page nobody holds; returns how many."""
+        n = len(self._lru)
+        if n:
+            self._evict(n)
+        return n
 
     def owners(self) -> list[str]:
-        return list(self._held) + list(self._reserved)
+        return list(self._held) + [o for o in self._reserved if o not in self._held]
 
     def check(self) -> None:
-        """Raise PagePoolError if any page is lost or counted twice."""
-        check_accounting(self.num_pages, self._free, [*self._held.values(),
-                                                      *self._reserved.values()])
+        """Raise PagePoolError unless the invariant holds (`check_accounting`) and the cache's
+        maps agree with the pages."""
+        check_accounting(self.num_pages, self._free, self._held.values(),
+                         self._reserved.values(), self._lru, self._refs)
+        if any(p not in self._key for p in self._lru) or \
+                any(self._page.get(k) != p for p, k in self._key.items()) or \
+                len(self._page) != len(self._key) or any(p in self._key for p in self._free):
+            raise PagePoolError("prefix cache maps disagree with the pages")
 
 
-def check_accounting(num_pages: int, free: list[int], owned: list[list[int]]) -> None:
-    """The invariant: the free list and every owner's pages together count each of the
-    `num_pages` pages exactly once. Raises PagePoolError otherwise."""
-    seen: set[int] = set(free)
-    count = len(free)
-    for pages in owned:
-        seen.update(pages)
-        count += len(pages)
-    if count != num_pages or len(seen) != num_pages:
+def check_accounting(num_pages: int, free: Collection[int], held: Iterable[list[int]],
+                     reserved: Iterable[list[int]], cached: Collection[int],
+                     refs: Sequence[int] | None = None) -> None:
+    """The invariant: free + held + reserved + cached-unreferenced == `num_pages`, each page in
+    exactly one of them, a page held by several owners counted once (and, given `refs`, each
+    page's reference count equal to its holders). Raises PagePoolError otherwise."""
+    counts: dict[int, int] = {}
+    for pages in held:
+        for p in pages:
+            counts[p] = counts.get(p, 0) + 1
+    flat = [p for pages in reserved for p in pages]
+    parts = (free, counts, flat, cached)
+    seen: set[int] = set()
+    for part in parts:
+        seen.update(part)
+    total = sum(len(part) for part in parts)
+    if total != num_pages or len(seen) != num_pages or min(seen, default=0) < 0 or \
+            max(seen, default=0) >= num_pages:
         raise PagePoolError(
-            f"page accounting broken: counted {count}, distinct {len(seen)}, total {num_pages}")
+            f"page accounting broken: free {len(free)} + held {len(counts)} + reserved "
+            f"{len(flat)} + cached {len(cached)} = {total} ({len(seen)} distinct), total "
+            f"{num_pages}")
+    if refs is not None:
+        bad = [p for p in range(num_pages) if refs[p] != counts.get(p, 0)]
+        if bad:
+            raise PagePoolError(f"page {bad[0]}: {refs[bad[0]]} references counted, "
+                                f"{counts.get(bad[0], 0)} holders")

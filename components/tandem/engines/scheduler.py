@@ -18,6 +18,13 @@ FETCHING, outside the batch but counted against `max_batch`, while its prompt's 
 them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)`: it skips
 prefill, and its first token (the prefill side's) is recorded as a step's token is, by the Stepper's
 postprocess. (The handoff itself: tandem.engines.handoff.)
+
+Prefix cache (when the pool caches): at admission a sequence takes the cached pages of its
+prompt's leading full pages (`keys`, computed at submit; at most the pages before its last prompt
+token, so a step always computes at least one token and samples from it) and starts with
+`num_cached` past them; `cached_tokens` is what it reports. A decode sequence takes them too and
+has only the rest written (`skip`). As its computed tokens fill pages, `publish` caches them
+(`publish_at`: the token count at which its next page is full).
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engines.pages import PagePool
+from tandem.engines.prefix import ROOT, page_keys
 from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams, TokenLogprobs
+
+
+NEVER = 1 << 62  # `publish_at` of a sequence whose pages are not cached
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +62,7 @@ class Sequence:
     pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
     status: SeqStatus = SeqStatus.WAITING
     num_cached: int = 0
+    publish_at: int = NEVER  # num_cached at which its next full page is cached
     stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
     resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
     max_total: int  # prompt + completion tokens it may reach: min(prompt + max_tokens, context)
@@ -65,6 +77,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.handoff), while the handoff runs
+    keys: list[int] = field(default_factory=list)  # prefix cache keys of its leading full pages
+    published: int = 0  # leading pages cached (or found cached) so far
+    cached_tokens: int = 0  # prompt tokens it did not compute (usage.cached_tokens)
+    skip: int = 0  # decode: leading prompt pages it had cached (not written by the prefill side)
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -153,19 +169,22 @@ class Scheduler:
                 decode.append(s)
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
+        pool = self.pool
         while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
             seq = self.waiting[0]
-            need = self.pool.pages_for(seq.max_total)
+            hits = self._hits(seq)
+            need = pool.pages_for(seq.max_total) - len(hits)
             if seq.pd == "decode":
-                if not self._reserve(seq, need):
+                if not self._reserve(seq, hits, need):
                     break
                 batch.reserved.append(seq)
                 continue
-            new_tokens = len(seq.prompt_ids) - seq.num_cached
-            if not self.pool.can_allocate(need) or (batch.prefill and new_tokens > budget):
+            new_tokens = len(seq.prompt_ids) - len(hits) * pool.page_size
+            if not pool.can_take(hits, need) or (batch.prefill and new_tokens > budget):
                 break
             self.waiting.popleft()
-            seq.pages = self.pool.allocate(seq.owner, need)
+            seq.pages = pool.take(seq.owner, hits, need)
+            self._admitted(seq, len(hits))
             seq.status = SeqStatus.RUNNING
             self.running[seq.owner] = seq
             seq.in_flight = True
@@ -181,19 +200,53 @@ class Scheduler:
         while (self.waiting and self.waiting[0].pd == "decode"
                and len(self.running) + len(self.fetching) < self.max_batch):
             seq = self.waiting[0]
-            if not self._reserve(seq, self.pool.pages_for(seq.max_total)):
+            hits = self._hits(seq)
+            if not self._reserve(seq, hits, self.pool.pages_for(seq.max_total) - len(hits)):
                 break
             out.append(seq)
         return out
 
-    def _reserve(self, seq: Sequence, need: int) -> bool:
-        if not self.pool.can_allocate(need):
+    def _hits(self, seq: Sequence) -> list[int]:
+        """The cached pages `seq` would start with (none when the pool does not cache)."""
+        if not seq.keys:
+            return []
+        return self.pool.match(seq.keys, (len(seq.prompt_ids) - 1) // self.pool.page_size)
+
+    def _admitted(self, seq: Sequence, num_hits: int) -> None:
+        pool = self.pool
+        if pool.caching:
+            pool.queries += len(seq.prompt_ids)
+            pool.hits += num_hits * pool.page_size
+            seq.published = num_hits
+            seq.publish_at = (num_hits + 1) * pool.page_size
+        if seq.pd == "decode":
+            seq.skip = num_hits
+        else:
+            seq.num_cached = seq.cached_tokens = num_hits * pool.page_size
+
+    def _reserve(self, seq: Sequence, hits: list[int], need: int) -> bool:
+        if not self.pool.can_take(hits, need):
             return False
         self.waiting.popleft()
-        seq.pages = self.pool.reserve(seq.owner, need)
+        seq.pages = [*hits, *self.pool.reserve(seq.owner, need, hits)]
+        self._admitted(seq, len(hits))
         seq.status = SeqStatus.FETCHING
         self.fetching[seq.owner] = seq
         return True
+
+    def publish(self, seq: Sequence) -> None:
+        """`seq`'s computed tokens filled one or more pages: cache them (the keys of pages past
+        its prompt's are computed here, from its tokens)."""
+        size = self.pool.page_size
+        n_full = seq.num_cached // size
+        keys = seq.keys
+        tokens = seq.prompt_ids if n_full * size <= len(seq.prompt_ids) else \
+            seq.prompt_ids + seq.output_ids
+        if len(keys) < n_full:
+            keys += page_keys(tokens, size, keys[-1] if keys else ROOT, len(keys), n_full)
+        self.pool.publish(seq.pages, keys, seq.published, n_full, lambda a, b: tokens[a:b])
+        seq.published = n_full
+        seq.publish_at = (n_full + 1) * size
 
     def to_sending(self, seq: Sequence) -> None:
         """A prefill-only sequence computed its first token: out of the batch, pages kept."""

@@ -24,21 +24,29 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
-from tandem.engines.outputs import Step, deliver, ending
+from tandem.engines.outputs import Step, deliver, ending, last_output, postprocess
 from tandem.engines.handoff import Handoff, HandoffSpec
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
 from tandem.engines.pages import PagePool
+from tandem.engines.prefix import page_keys
+from tandem.runtime.errors import PagePoolError
+from tandem.runtime.kv_events import KvEvent
+from tandem.runtime.lifecycle import crash
 from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
 
 IDLE_WAIT_S = 0.5  # an idle step thread re-checks for work this often, even without a wake-up
+CHECK_ENV = "TANDEM_CHECK_KV"  # "1": every engine checks its page accounting after every step
+BROKEN: list[str] = []  # every failed check of this process, for the test suite to assert on
 
 
 class _Handle:
@@ -63,7 +71,8 @@ class Stepper(Engine):
 
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
                  output_mode: OutputMode | None, max_prefill_tokens: int,
-                 handoff: HandoffSpec | None = None) -> None:
+                 handoff: HandoffSpec | None = None, prefix_cache: bool = True,
+                 check_pages: bool = False) -> None:
         output_mode = output_mode or self.output_mode
         if output_mode not in ("cumulative", "incremental"):
             raise ValueError(f"output_mode must be cumulative or incremental, not {output_mode!r}")
@@ -73,7 +82,10 @@ class Stepper(Engine):
         self.num_pages = num_pages
         self.max_batch = max_batch
         self.output_mode = output_mode
-        self.pool = PagePool(num_pages, page_size)
+        self.pool = PagePool(num_pages, page_size, caching=prefix_cache)
+        self.check_pages = check_pages or os.environ.get(CHECK_ENV) == "1"
+        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
+        self.broken = ""  # why the page accounting check failed: the engine takes no more work
         self.sched = Scheduler(self.pool, max_batch, max_prefill_tokens)
         self._handoff_spec = handoff
         self.handoff: Handoff | None = None
@@ -119,7 +131,8 @@ class Stepper(Engine):
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
                         bootstrap=req.bootstrap, resume=req.resume_offset,
                         logprobs=None if req.sampling.logprobs is None else [],
-                        extras=req.sampling.logprobs is not None or adjusts_logits(req.sampling))
+                        extras=req.sampling.logprobs is not None or adjusts_logits(req.sampling),
+                        keys=page_keys(prompt, self.page_size) if self.pool.caching else [])
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,7 +173,7 @@ class Stepper(Engine):
             seqs = self.sched.all()
             for seq in seqs:
                 seq.in_flight = False
-            ended = [s for s in seqs if self._last(s)]
+            ended = [s for s in seqs if last_output(s)]
         deliver(self.name, [(s, ending(s, "abort")) for s in ended], self._cumulative)
         if self.handoff is not None:  # ends the transfers: no write can land after this
             await self.handoff.close()
@@ -170,8 +183,8 @@ class Stepper(Engine):
 
     # --- requests ---------------------------------------------------------------------------------
     def submit(self, req: EngineRequest, sink: OutputSink) -> _Handle:
-        if not self._running:
-            raise EngineError("engine is not running")
+        if not self._running or self.broken:
+            raise EngineError(f"engine is not running{': ' if self.broken else ''}{self.broken}")
         pd = ""  # a bootstrap on an engine with no handoff is served aggregated
         if req.bootstrap is not None and self.handoff is not None:
             pd = self.handoff.role
@@ -205,8 +218,9 @@ class Stepper(Engine):
     def load(self) -> Load:
         with self._lock:
             return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
-                        pages_free=self.pool.num_free, pages_total=self.num_pages,
-                        pages_reserved=self.pool.num_reserved)
+                        pages_free=self.pool.num_available, pages_total=self.num_pages,
+                        pages_reserved=self.pool.num_reserved, pages_cached=self.pool.num_cached,
+                        cache_queries=self.pool.queries, cache_hits=self.pool.hits)
 
     # --- what the handoff calls (tandem.engines.handoff.Host), on the loop --------------------------------
     def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:
@@ -218,9 +232,11 @@ class Stepper(Engine):
             self.sched.finish(seq, reason)
             self._notify()
 
-    def joined(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
+    def joined(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None,
+               cached_tokens: int = 0) -> None:
         """Decode: the prompt's K/V is in place; the request runs on from `first`, which is
-        postprocessed as a step's token is."""
+        postprocessed as a step's token is (`cached_tokens`: what the prefill side had cached)."""
+        seq.cached_tokens = cached_tokens
         with self._lock:
             seq.handoff = None
             if seq.done or self._closed:
@@ -229,12 +245,13 @@ class Stepper(Engine):
                 return
             self.sched.join(seq)
             step = self._postprocess([seq], [first], [logprobs], None)
+        self._events(step)
         deliver(self.name, step.items, self._cumulative)
 
     def written(self, seq: Sequence, first: int, logprobs: TokenLogprobs | None = None) -> None:
         """Prefill: the K/V is in the decode engine's pages; the request ends with `first`."""
         with self._lock:
-            last = self._last(seq)
+            last = last_output(seq)
             if last:
                 seq.output_ids.append(first)
                 if seq.logprobs is not None and logprobs is not None:
@@ -242,14 +259,15 @@ class Stepper(Engine):
         if last:
             lps = seq.logprobs
             out = EngineOutput(seq.rid, [first], "length", len(seq.prompt_ids),
-                               len(seq.output_ids), 0, None, None if lps is None else lps[-1:])
+                               len(seq.output_ids), seq.cached_tokens, None,
+                               None if lps is None else lps[-1:])
             deliver(self.name, [(seq, out)], self._cumulative)
         self.free(seq, "length")
 
     def failed(self, seq: Sequence, error: EngineError) -> None:
         """The request ends with `error` (its pages are the caller's to free)."""
         with self._lock:
-            last = self._last(seq)
+            last = last_output(seq)
         if last:
             deliver(self.name, [(seq, ending(seq, "error", error))], self._cumulative)
 
@@ -315,61 +333,27 @@ class Stepper(Engine):
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int],
                      lps: list[TokenLogprobs | None] | None, error: Exception | None) -> Step:
-        """The one postprocess (under the lock), for a step's tokens and a decode request's first:
-        each token recorded, the finish rule applied (written here once), finished requests'
-        pages freed, outputs made; a prefill-only request's first token goes to the KV handoff."""
-        step = Step()
-        if error is not None:
-            log.error("%s engine step failed: %r", self.name, error)
-            err = EngineError(f"{self.name} engine step failed: {error!r}")
-            for seq in seqs:
-                seq.in_flight = False
-                if self._last(seq):
-                    step.items.append((seq, ending(seq, "error", err)))
-                if seq.handoff is not None:
-                    step.failed.append(seq)  # the handoff tells its peer, then frees the pages
-                else:
-                    self.sched.finish(seq, "error")
-            self._notify()
-            return step
-        items, sched, finished = step.items, self.sched, SeqStatus.FINISHED
-        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            seq.in_flight = False
-            if seq.done or seq.status is finished:  # cancelled or failed meanwhile
-                sched.finish(seq, "abort")
-                continue
-            out = seq.output_ids
-            n_prompt = len(seq.prompt_ids)
-            seq.num_cached = n_prompt + len(out)  # the K/V of every token before this one
-            if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
-                sched.to_sending(seq)
-                step.computed.append((seq, token, lps[i] if lps is not None else None))
-                continue
-            new_lps: list[TokenLogprobs] | None = None
-            if seq.logprobs is not None:  # (appended before the output can be read)
-                lp = lps[i] if lps is not None else None
-                if lp is None:  # the compute hook's bug: fail the request, not the engine
-                    sched.finish(seq, "error")
-                    seq.done = True
-                    items.append((seq, ending(seq, "error", EngineError(
-                        f"{self.name} engine: the step computed no logprobs for {seq.rid}"))))
-                    continue
-                seq.logprobs.append(lp)
-                new_lps = [lp]
-            out.append(token)
-            n = len(out)
-            finish: FinishReason | None = None  # the finish rule
-            if token in seq.stop_ids and seq.resume + n >= seq.sampling.min_tokens:
-                finish = "stop"
-            elif n_prompt + n >= seq.max_total:
-                finish = "length"
-            if finish is not None:
-                sched.finish(seq, finish)
-                seq.done = True
-            items.append((seq, EngineOutput(seq.rid, [token], finish, n_prompt, n, 0, None,
-                                            new_lps)))
+        """The one postprocess (tandem.engines.outputs), under the lock."""
+        step = postprocess(self.name, self.sched, seqs, tokens, lps, error)
         self._notify()
+        pool = self.pool
+        if pool.events:  # (the pool's KV events go with the step)
+            step.events, pool.events = pool.events, []
+        if self.check_pages:
+            try:
+                pool.check()
+            except PagePoolError as e:
+                step.broken = str(e)
         return step
+
+    def _events(self, step: Step) -> None:
+        """On the loop: hand the step's KV events on; act on a failed check."""
+        if step.events and self.on_kv_events is not None:
+            self.on_kv_events(step.events)
+        if step.broken and not self.broken:
+            self.broken = f"{self.name} engine: {step.broken}"
+            BROKEN.append(self.broken)
+            crash(self.broken)
 
     def _reserved(self, seqs: list[Sequence]) -> None:
         """On the loop: decode requests whose pages were reserved; their K/V is fetched now."""
@@ -378,11 +362,12 @@ class Stepper(Engine):
             return
         for seq in seqs:
             if seq.status is SeqStatus.FETCHING:  # (not cancelled since)
-                handoff.admitted(seq, seq.pages[: self.pool.pages_for(seq.num_tokens)])
+                handoff.admitted(seq, seq.pages[seq.skip: self.pool.pages_for(seq.num_tokens)])
 
     def _handed_over(self, step: Step) -> None:
         """On the loop: the step's handoff events, then its outputs (none for a request
         cancelled since the step made them)."""
+        self._events(step)
         handoff = self.handoff
         if handoff is not None:
             for seq, token, lp in step.computed:
@@ -393,8 +378,3 @@ class Stepper(Engine):
         if self.step_thread:
             items = [item for item in items if not item[0].cancelled]
         deliver(self.name, items, self._cumulative)
-
-    def _last(self, seq: Sequence) -> bool:
-        """Whether `seq` may still get its last output (and mark that it got it)."""
-        last, seq.done = not seq.done, True
-        return last

@@ -64,6 +64,15 @@ class GenerationJob:
         seen = {c.prompt_index: len(c.prompt_ids) for c in choices}
         return sum(seen.values())
 
+    def cached_tokens(self, states: Sequence[ChoiceState]) -> int:
+        """The prompt tokens served from cache, every prompt counted once (its choices' most)."""
+        if len(states) == 1:
+            return states[0].cached
+        most: dict[int, int] = {}
+        for spec, st in zip(self.choices, states):
+            most[spec.prompt_index] = max(most.get(spec.prompt_index, 0), st.cached)
+        return sum(most.values())
+
 
 class ChoiceState:
     """One choice's state. With an encoder it streams: `feed` returns the chunks to write now, the
@@ -71,7 +80,7 @@ class ChoiceState:
     collects its text (`text`) for the aggregated body."""
 
     __slots__ = ("detok", "enc", "interval", "buf", "buf_tokens", "num_tokens", "num_chunks",
-                 "finish", "sent", "head", "direct")
+                 "finish", "sent", "head", "direct", "cached")
 
     def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None, interval: int,
                  role: bool = False, prefix: str = "") -> None:
@@ -88,6 +97,7 @@ class ChoiceState:
         # Once the first text went out, a stream that sends every text at once and has no stop
         # strings turns each delta's text straight into a chunk: the detokenizer's own step.
         self.direct: Callable[[Sequence[int]], str] | None = None
+        self.cached = 0  # prompt tokens the worker had cached (the first delta's usage says)
 
     def feed(self, d: Delta) -> bytes:
         """Take one (possibly merged) delta. Raises the request's error for an error delta (what
@@ -104,6 +114,8 @@ class ChoiceState:
             return self.enc.text(text)  # type: ignore[union-attr]
         self.num_tokens += len(ids)
         self.buf_tokens += len(ids)
+        if d.usage is not None:
+            self.cached = d.usage.cached_tokens
         if fin == "error":
             raise error_of(d)
         detok = self.detok
@@ -221,7 +233,8 @@ class RichChoiceState(ChoiceState):
         return self.json.raw()
 
     def usage_now(self) -> schemas.UsageInfo | None:
-        return api.usage_info(self.prompt_tokens, self.num_tokens) if self.continuous else None
+        return api.usage_info(self.prompt_tokens, self.num_tokens, self.cached) \
+            if self.continuous else None
 
 
 def state_of(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,

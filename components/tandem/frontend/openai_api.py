@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from tandem.frontend.schemas import (ChatChoice, ChatCompletion, ChatLogprobs, Completion,
-                                     CompletionChoice, CompletionLogprobs, ResponseMessage,
-                                     TokenLogprob, TopLogprob, UsageInfo)
+                                     CompletionChoice, CompletionLogprobs, PromptTokensDetails,
+                                     ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
 from tandem.runtime.wire import TokenLogprobs
 
 __all__ = ["LogprobsJson", "TokenTexts", "chat_completion", "chat_completion_choices",
@@ -32,8 +32,9 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                     PromptTokensDetails(cached_tokens))
 
 
 def chat_logprobs(lps: Sequence[TokenLogprobs], token: TokenTexts) -> ChatLogprobs:

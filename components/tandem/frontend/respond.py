@@ -298,7 +298,8 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
         return
     for st in states:
         m.finished(st.finish or "")
-    usage = api.usage_info(job.prompt_tokens, sum(st.num_tokens for st in states))
+    usage = api.usage_info(job.prompt_tokens, sum(st.num_tokens for st in states),
+                           job.cached_tokens(states))
     if job.stream:
         enc = states[0].enc
         if job.include_usage and enc is not None:

@@ -116,10 +116,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # --- responses ------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the worker's prefix cache
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(msgspec.Struct):

@@ -317,6 +317,9 @@ class WorkerPool:
                 "pages_free": load.pages_free,
                 "pages_total": load.pages_total,
                 "pages_reserved": load.pages_reserved,
+                "pages_cached": load.pages_cached,  # (of pages_free)
+                "prefix_cache_queries": load.cache_queries,
+                "prefix_cache_hits": load.cache_hits,
             })
         return out
 
@@ -347,6 +350,10 @@ class WorkerPool:
             ("tandem_worker_pages_total", "KV pages on the worker.", lambda w: w.load.pages_total),
             ("tandem_worker_waiting_requests", "Requests waiting on the worker (last report).",
              lambda w: w.load.waiting),
+            ("tandem_worker_prefix_cache_hits", "Prompt tokens the worker found in its "
+             "prefix cache (last report).", lambda w: w.load.cache_hits),
+            ("tandem_worker_prefix_cache_queries", "Prompt tokens the worker looked up in "
+             "its prefix cache (last report).", lambda w: w.load.cache_queries),
         ):
             r.callback(name, help_, per_worker(get), ("worker",))
         r.callback("tandem_delta_protocol_errors_total", "Deltas refused for a gap or an overlap.",

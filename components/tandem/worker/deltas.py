@@ -43,6 +43,11 @@ class DeltaMaker:
                                   f"{len(new)} tokens")
         self.sent = end
         if out.finish_reason is None:
-            return Delta(self.rid, offset, new, logprobs=lps) if new else None
+            if offset or not out.cached_tokens:
+                return Delta(self.rid, offset, new, logprobs=lps) if new else None
+            # (the first delta says how much of the prompt was cached: a stream a stop string
+            # ends early never reads the last one)
+            return Delta(self.rid, 0, new, None, Usage(out.prompt_tokens, end, out.cached_tokens),
+                         logprobs=lps) if new else None
         usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
         return Delta(self.rid, offset, new, out.finish_reason, usage, logprobs=lps)

@@ -55,7 +55,8 @@ async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         if cfg.publishes_kv_events else None
     metrics = worker_registry(lambda: server.num_requests if server else 0,
                               lambda: server.draining if server else False,
-                              lambda: events.counts if events else None)
+                              lambda: server.load() if server else None,
+                              kv_events=lambda: events.counts if events else None)
     health = HealthServer(ready, cfg.host, cfg.health_port,
                           metrics=metrics.render) if cfg.health_port else None
     try:

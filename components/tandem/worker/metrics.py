@@ -11,6 +11,9 @@ time (nothing is mirrored on the hot path):
   refused KV hellos and rooms, replies to gone peers, ...), and peers whose security handshake
   failed (`handshake refused: ...`, `handshake failed: ...`: no keys, or another cluster's);
 - `tandem_worker_requests_in_flight` and `tandem_worker_draining`;
+- the engine's prefix cache, from its `load()` (vLLM's names): `tandem_prefix_cache_queries_total`
+  (prompt tokens looked up at admission), `tandem_prefix_cache_hits_total` (of those, found
+  cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`;
 - with KV events on (tandem.worker.kv_events): `tandem_worker_kv_events_published_total` (events in
   the batches the PUB socket took), `tandem_worker_kv_event_batches_published_total`,
   `tandem_worker_kv_event_batches_dropped_total` (refused at the high-water mark: still
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 from tandem.runtime import transport
 from tandem.runtime.metrics import Registry, Samples
+from tandem.runtime.wire import Load
 from tandem.worker.kv_events import KvEventCounts
 
 _KV_EVENT_COUNTERS = (
@@ -42,8 +46,10 @@ _KV_EVENT_COUNTERS = (
 
 
 def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool],
+                    load: Callable[[], Load | None] = lambda: None,
                     kv_events: Callable[[], KvEventCounts | None] = lambda: None) -> Registry:
-    """`kv_events`: the publisher's counts, None while there is none (no series then)."""
+    """`load`: the engine's last load (None before it serves); `kv_events`: the publisher's
+    counts (None when there is none). No series while either is None."""
     reg = Registry()
 
     def bad() -> Samples:
@@ -63,6 +69,22 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
                  lambda: [((), num_requests())])
     reg.callback("tandem_worker_draining", "1 while the worker takes no new work",
                  lambda: [((), int(draining()))])
+
+    def of(field: str) -> Callable[[], Samples]:
+        def read() -> Samples:
+            now = load()
+            return [] if now is None else [((), getattr(now, field))]
+
+        return read
+
+    reg.callback("tandem_prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                 "cache at admission", of("cache_queries"), kind="counter")
+    reg.callback("tandem_prefix_cache_hits_total", "Prompt tokens found in the prefix cache "
+                 "(not computed)", of("cache_hits"), kind="counter")
+    reg.callback("tandem_kv_pages_cached", "Cached KV pages no request holds (evictable)",
+                 of("pages_cached"))
+    reg.callback("tandem_kv_pages_free", "KV pages a new request can get (free or cached)",
+                 of("pages_free"))
 
     def count(field: str) -> Callable[[], Samples]:
         def read() -> Samples:

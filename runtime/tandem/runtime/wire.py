@@ -119,6 +119,9 @@ class Load(_Msg):
     pages_total: int = 0
     pages_reserved: int = 0
     draining: bool = False  # the worker takes no new work (shutting down): place nothing here
+    pages_cached: int = 0  # of pages_free: cached full pages nobody holds (evicted when needed)
+    cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    cache_hits: int = 0  # of those, found cached (not computed)
 
 
 class Usage(_Msg):
@@ -276,6 +279,7 @@ class KvRoom(_Msg):
 
     room: int
     pages: list[int]
+    skip: int = 0  # leading prompt pages the decode side has cached: write from page `skip` on
 
 
 class KvCancel(Message, tag=19):
@@ -302,6 +306,7 @@ class KvDone(_Msg):
     first_token: int = -1
     error: str = ""
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 ToWorker = Union[Hello, Generates, Abort, LoadQuery, Credit, Prefills]

@@ -54,7 +54,9 @@ class ReferenceEngine(Stepper):
                  max_batch: int = WorkerConfig.max_batch, output_mode: OutputMode | None = None,
                  dtype: str = "float32", max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                  handoff: HandoffSpec | None = None,
-                 compute_hook: ComputeHook | None = None) -> None:
+                 compute_hook: ComputeHook | None = None,
+                 prefix_cache: bool = WorkerConfig.prefix_cache,
+                 check_pages: bool = WorkerConfig.check_kv) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
         if page_size <= 0 or max_batch <= 0 or num_pages < 0:
@@ -81,7 +83,7 @@ class ReferenceEngine(Stepper):
             num_pages = min(max_batch * pages_per_context, by_memory)
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                          output_mode=output_mode, max_prefill_tokens=max_prefill_tokens,
-                         handoff=handoff)
+                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
         self.compute_hook = compute_hook
         self._model: Llama | None = None
         self.kv: torch.Tensor | None = None

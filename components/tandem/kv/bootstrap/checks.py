@@ -62,4 +62,6 @@ def check_room(msg: KvRoom, layout: KvLayout) -> str | None:
         return f"page index outside the peer's [0, {layout.num_pages})"
     if len(set(pages)) != len(pages):
         return "a page is named twice"
+    if not 0 <= msg.skip <= MAX_ROOM_PAGES:
+        return f"skip must be in [0, {MAX_ROOM_PAGES}], not {msg.skip}"
     return None

@@ -110,11 +110,12 @@ class DecodeSide:
     def num_pending(self) -> int:
         return sum(len(c.rooms) for c in self._conns.values())
 
-    async def fetch(self, bootstrap: Bootstrap, pages: list[int],
-                    release: Callable[[], None]) -> tuple[int, TokenLogprobs | None]:
-        """Ask the prefill side for the room's KV in `pages`; return the first token (and its
-        logprobs, when the request asked for them) once the KV is in place. On failure raise
-        KvHandoffError and call `release()` once pages are safe."""
+    async def fetch(self, bootstrap: Bootstrap, pages: list[int], release: Callable[[], None],
+                    skip: int = 0) -> tuple[int, TokenLogprobs | None, int]:
+        """Ask the prefill side for the room's KV in `pages` (the prompt's pages from page `skip`
+        on: the ones before are cached here); return the first token, its logprobs (when the
+        request asked for them) and the prompt tokens the prefill side had cached, once the KV is
+        in place. On failure raise KvHandoffError and call `release()` once pages are safe."""
         for ask in (1, 2):
             try:
                 conn = await self._connect(bootstrap)
@@ -124,7 +125,7 @@ class DecodeSide:
             done_fut: asyncio.Future[KvDone] = asyncio.get_running_loop().create_future()
             pending = _Pending(done_fut, release)
             conn.rooms[bootstrap.room] = pending
-            self._queue(conn, KvRoom(bootstrap.room, pages))
+            self._queue(conn, KvRoom(bootstrap.room, pages, skip))
             try:
                 done = await asyncio.wait_for(asyncio.shield(done_fut), self.done_timeout_s)
             except BaseException as e:
@@ -146,7 +147,7 @@ class DecodeSide:
             release()
             raise KvHandoffError(f"room {bootstrap.room}: prefill failed: "
                                  f"{done.error or 'no first token'}")
-        return done.first_token, done.first_logprobs
+        return done.first_token, done.first_logprobs, done.cached_tokens
 
     async def _quarantine(self, conn: _Conn, room: int, pending: _Pending) -> None:
         try:

@@ -60,6 +60,7 @@ class Destination:
     ident: bytes  # the decode side's socket identity
     peer: str  # the decode side's agent name for the mover
     pages: list[int]
+    skip: int = 0  # the prompt's pages before this one are cached there: not written
 
 
 @dataclass(eq=False)
@@ -144,35 +145,39 @@ class PrefillSide:
                                  f"{self.room_timeout_s:.0f}s") from None
 
     def send(self, room: int, dest: Destination, local_pages: Sequence[int], first_token: int,
-             first_logprobs: TokenLogprobs | None = None) -> asyncio.Task[KvHandoffError | None]:
+             first_logprobs: TokenLogprobs | None = None, cached_tokens: int = 0
+             ) -> asyncio.Task[KvHandoffError | None]:
         """Start the WRITE of the prompt's KV into `dest`; KvDone goes to the decode side once it
         has ended. The write is a task of ours (closed with us) whose result is None, or the
         KvHandoffError it failed with; the caller holds `local_pages` until it is done."""
         self._rooms.pop(room, None)
         return self._tasks.spawn(self._send(room, dest, list(local_pages), first_token,
-                                            first_logprobs),
+                                            first_logprobs, cached_tokens),
                                  name=f"kv-send {room}")
 
     async def _send(self, room: int, dest: Destination, local: list[int], first: int,
-                    first_logprobs: TokenLogprobs | None) -> KvHandoffError | None:
-        n = len(dest.pages)
-        if n > len(local):
+                    first_logprobs: TokenLogprobs | None,
+                    cached_tokens: int) -> KvHandoffError | None:
+        n, skip = len(dest.pages), dest.skip
+        if skip + n > len(local):
             self._done(dest.ident, KvDone(room, False,
                                           error="decode side asked for more pages"))
-            return KvHandoffError(f"room {room}: decode side wants {n} pages, prompt has "
-                                  f"{len(local)}")
+            return KvHandoffError(f"room {room}: decode side wants pages {skip} to {skip + n}, "
+                                  f"prompt has {len(local)}")
         peer = self._peers.get(dest.ident)
         if peer is not None:
             peer.writes += 1  # (not evicted while it runs)
         try:
-            await self.mover.write(dest.peer, local[:n], dest.pages, self.transfer_timeout_s)
+            await self.mover.write(dest.peer, local[skip:skip + n], dest.pages,
+                                   self.transfer_timeout_s)
         except Exception as e:  # the one place a mover's failure becomes a KvHandoffError
             self._done(dest.ident, KvDone(room, False, error=f"KV transfer failed: {e}"))
             return KvHandoffError(f"room {room}: KV transfer failed: {e}")
         finally:
             if peer is not None:
                 peer.writes -= 1
-        self._done(dest.ident, KvDone(room, True, first, first_logprobs=first_logprobs))
+        self._done(dest.ident, KvDone(room, True, first, first_logprobs=first_logprobs,
+                                      cached_tokens=cached_tokens))
         return None
 
     def fail(self, room: int, error: str) -> None:
@@ -269,7 +274,7 @@ class PrefillSide:
             return  # (the same peer twice: the first stands)
         r.owner = ident
         if not r.fut.done():
-            r.fut.set_result(Destination(ident, peer.name, msg.pages))
+            r.fut.set_result(Destination(ident, peer.name, msg.pages, msg.skip))
 
     def _on_hello(self, ident: bytes, msg: KvHello) -> None:
         why = check_hello(msg, self.mover.kv_layout())

@@ -1,0 +1,43 @@
+"""Page keys of the prefix cache (tandem.engines.pages): a full page of a sequence is known by a
+chained hash of (its parent page's key, its own token ids), so equal keys mean equal token
+prefixes up to and including that page, and so equal K/V.
+
+The hash is BLAKE2b (128 bits) over the parent key and the page's ids as unsigned 32-bit
+integers: prompts are untrusted, and a collision would hand one request another's K/V, so the key
+is a cryptographic hash wide enough that finding a collision is out of reach. A key is a
+non-negative Python int below 2**128. What leaves the process in a KV event is `event_hash`, the
+key's top 64 bits as a signed integer (the format's block hashes are 64-bit), an identity for
+parent links and removals only: routers recompute their own keys from the token ids.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+__all__ = ["ROOT", "event_hash", "page_keys"]
+
+ROOT = 0  # the parent key of a sequence's first page
+_KEY_BYTES = 16
+
+
+def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT, start: int = 0,
+              end: int | None = None) -> list[int]:
+    """The keys of the full pages `start, start + 1, ...` (up to `end`, or every full page) of a
+    sequence whose tokens are `tokens` and whose page `start - 1` has key `parent`."""
+    n_full = len(tokens) // page_size if end is None else end
+    keys: list[int] = []
+    for i in range(start, n_full):
+        ids = array("I", tokens[i * page_size:(i + 1) * page_size])
+        h = blake2b(parent.to_bytes(_KEY_BYTES, "little"), digest_size=_KEY_BYTES)
+        h.update(ids.tobytes())
+        parent = int.from_bytes(h.digest(), "little")
+        keys.append(parent)
+    return keys
+
+
+def event_hash(key: int) -> int:
+    """A page key as a KV event's 64-bit block hash (signed, as msgpack carries it)."""
+    top = key >> 64
+    return top - (1 << 64) if top >= 1 << 63 else top
