@@ -173,6 +173,15 @@ class WorkerConfig(MockTiming, Common):
     frontend_silent_s: float = opt(10.0, "a frontend silent this long while it owes credit gets "
                                    "its requests ended", flag="--frontend-silent-timeout",
                                    type=positive_float)
+    kv_events: bool = opt(True, "publish the engine's KV cache events (BlockStored, "
+                          "BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket in the format vLLM "
+                          "and SGLang use, with a replay socket; the handshake tells frontends "
+                          "where (mock and reference engines with the prefix cache on; for "
+                          "--engine sglang pass SGLang's own --kv-events-config)")
+    kv_events_port: int = opt(0, "port of the KV events PUB socket (0 = one the OS picks as the "
+                              "worker binds; the handshake says which)", type=port_or_zero)
+    kv_events_replay_port: int = opt(0, "port of the KV events replay socket (0 = one the OS "
+                                     "picks as the worker binds)", type=port_or_zero)
     engine_args: tuple[str, ...] = opt((), "the engine's own flags, passed through untouched",
                                        cli=False)
 
@@ -188,6 +197,12 @@ class WorkerConfig(MockTiming, Common):
     def reach_host(self) -> str:
         """The address other processes use to reach this worker."""
         return self.advertise_host or self.host
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """tandem publishes the engine's KV events: asked for, and a tandem engine with its
+        prefix cache on (SGLang publishes its own, through its --kv-events-config)."""
+        return self.kv_events and self.prefix_cache and self.engine in ("mock", "reference")
 
 
 @dataclass(frozen=True)

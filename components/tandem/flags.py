@@ -121,8 +121,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], *, forward
             groups[flag.owner] = parser.add_argument_group(" ".join(doc.split()))
         kwargs: dict[str, Any] = {"dest": flag.dest, "help": help_text(flag)}
         kwargs["default"] = argparse.SUPPRESS if forwarded else flag.default
-        if isinstance(flag.default, bool):  # (on by default: --X and --no-X)
-            kwargs["action"] = argparse.BooleanOptionalAction if flag.default else "store_true"
+        if isinstance(flag.default, bool):  # off by default: --X; on by default: --X/--no-X
+            kwargs["action"] = _OnOff if flag.default else "store_true"
         else:
             choices = flag.meta.get("choices")
             if choices:
@@ -135,6 +135,14 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], *, forward
                 kwargs["metavar"] = metavar
             kwargs["required"] = bool(flag.meta.get("required")) and not forwarded
         groups[flag.owner].add_argument(flag.flag, **kwargs)
+
+
+class _OnOff(argparse.BooleanOptionalAction):
+    """`--X` / `--no-X` for a flag that is on by default; its help says the default once."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # (without the help, to which it would add the default)
+        self.help = help
 
 
 def build(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
@@ -163,9 +171,7 @@ def render(flag: Flag, value: Any) -> list[str]:
     if isinstance(flag.default, bool):
         if value == flag.default:
             return []
-        if not value:
-            return ["--no-" + flag.flag[2:]]
-        return [flag.flag]
+        return [flag.flag] if value else ["--no-" + flag.flag[2:]]
     if isinstance(value, tuple):
         return [flag.flag, ",".join(map(str, value))]
     if isinstance(value, float):

@@ -39,7 +39,8 @@ from tandem.config import (
 )
 
 COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded to every child
-PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port")
+PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port",
+              "kv_events_port", "kv_events_replay_port")
 PER_FRONTEND = ("port", "workers", "reuse_port", "worker_start_timeout_s")
 NEW_KEYS = "<new key pair>"  # where --dry-run shows the key pair up would make
 RESTARTS, RESTART_WINDOW_S = 5, 60.0  # a child restarted more often than this stops the cluster

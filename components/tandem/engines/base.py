@@ -44,12 +44,14 @@ task per request beside the steps, for its KV transfer (tandem.engines.handoff).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 
 from tandem.runtime.errors import EngineError, EngineRequestError
+from tandem.runtime.kv_events import KvEvent
 from tandem.runtime.wire import (
     Bootstrap, FinishReason, Load, OutputMode, SamplingParams, TokenLogprobs,
 )
@@ -113,6 +115,10 @@ class Engine(abc.ABC):
     page_size: int = 0
     num_pages: int = 0
     bootstrap_addr: str = ""  # prefill role: where decode engines reach this engine's KV handoff
+    # Where an engine with a prefix cache (tandem's own) hands the KV events of each step that made
+    # some (BlockStored, BlockRemoved, AllBlocksCleared), once per step, on the event loop; the
+    # worker sets it to its publisher's `publish` (tandem.worker.kv_events) when events are on.
+    on_kv_events: Callable[[list[KvEvent]], None] | None = None
     spec: ModelSpec
 
     @abc.abstractmethod

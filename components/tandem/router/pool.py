@@ -307,6 +307,8 @@ class WorkerPool:
                 "role": info.role if info else "",
                 "engine": info.engine if info else "",
                 "address": w.address,
+                "kv_events_addr": info.kv_events_addr if info else "",
+                "kv_replay_addr": info.kv_replay_addr if info else "",
                 "state": "leaving" if w.address in self._leaving else w.state,
                 "draining": bool(getattr(load, "draining", False)),
                 "placed": self.placed.get(w.address, 0),

@@ -13,7 +13,13 @@ time (nothing is mirrored on the hot path):
 - `tandem_worker_requests_in_flight` and `tandem_worker_draining`;
 - the engine's prefix cache, from its `load()` (vLLM's names): `tandem_prefix_cache_queries_total`
   (prompt tokens looked up at admission), `tandem_prefix_cache_hits_total` (of those, found
-  cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`.
+  cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`;
+- with KV events on (tandem.worker.kv_events): `tandem_worker_kv_events_published_total` (events in
+  the batches the PUB socket took), `tandem_worker_kv_event_batches_published_total`,
+  `tandem_worker_kv_event_batches_dropped_total` (refused at the high-water mark: still
+  replayable), `tandem_worker_kv_event_replay_requests_total` and
+  `tandem_worker_kv_event_batches_replayed_total`; their handshake failures and bad replay
+  requests count in the protocol errors (sockets "kv-events", "kv-replay").
 """
 
 from __future__ import annotations
@@ -23,10 +29,27 @@ from collections.abc import Callable
 from tandem.runtime import transport
 from tandem.runtime.metrics import Registry, Samples
 from tandem.runtime.wire import Load
+from tandem.worker.kv_events import KvEventCounts
+
+_KV_EVENT_COUNTERS = (
+    ("tandem_worker_kv_events_published_total", "events_published",
+     "KV events in the batches the PUB socket took"),
+    ("tandem_worker_kv_event_batches_published_total", "batches_published",
+     "KV event batches the PUB socket took"),
+    ("tandem_worker_kv_event_batches_dropped_total", "batches_dropped",
+     "KV event batches the PUB socket refused (a subscriber's queue was full; still replayable)"),
+    ("tandem_worker_kv_event_replay_requests_total", "replay_requests",
+     "KV event replay requests served"),
+    ("tandem_worker_kv_event_batches_replayed_total", "batches_replayed",
+     "KV event batches sent in answer to replay requests"),
+)
 
 
 def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool],
-                    load: Callable[[], Load | None] = lambda: None) -> Registry:
+                    load: Callable[[], Load | None] = lambda: None,
+                    kv_events: Callable[[], KvEventCounts | None] = lambda: None) -> Registry:
+    """`load`: the engine's last load (None before it serves); `kv_events`: the publisher's
+    counts (None when there is none). No series while either is None."""
     reg = Registry()
 
     def bad() -> Samples:
@@ -62,4 +85,13 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
                  of("pages_cached"))
     reg.callback("tandem_kv_pages_free", "KV pages a new request can get (free or cached)",
                  of("pages_free"))
+
+    def count(field: str) -> Callable[[], Samples]:
+        def read() -> Samples:
+            counts = kv_events()
+            return [] if counts is None else [((), getattr(counts, field))]
+        return read
+
+    for name, field, help in _KV_EVENT_COUNTERS:
+        reg.callback(name, help, count(field), kind="counter")
     return reg

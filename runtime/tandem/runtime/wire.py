@@ -103,6 +103,11 @@ class WorkerInfo(_Msg):
     output_mode: OutputMode = "cumulative"
     bootstrap_addr: str = ""
     eos_token_ids: tuple[int, ...] = ()
+    # Where the worker publishes its KV events and answers replay requests (tcp://HOST:PORT, "" =
+    # none; tandem.runtime.kv_events). Last, with defaults: a peer that predates them decodes
+    # without them (msgspec skips trailing array fields it does not know).
+    kv_events_addr: str = ""
+    kv_replay_addr: str = ""
 
 
 class Load(_Msg):
