@@ -38,9 +38,11 @@ from tandem.router.accounting import can_take
 from tandem.router.admission import AdmissionQueue
 from tandem.router.discovery import Change
 from tandem.router.link import WorkerChannel, WorkerLink
+from tandem.router.kv_feed import KvFeeds
+from tandem.router.kv_policy import KvAware
 from tandem.router.policy import make_policy
 from tandem.router.request import RequestHandle, RequestOptions
-from tandem.runtime import errors
+from tandem.runtime import errors, transport
 from tandem.runtime.channel import ZmqChannel
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.metrics import Registry
@@ -78,7 +80,11 @@ class WorkerPool:
             self.router.queue_timeout_s, RETRY_AFTER_S, self.registry)
         for a in addresses:
             self._new_link(a)
+        self.kv_feeds = KvFeeds(self.policy, transport.keys()) \
+            if isinstance(self.policy, KvAware) else None  # the kv policy's event feeds
         self._register_metrics(self.registry)
+        if self.kv_feeds is not None:
+            self.kv_feeds.register_metrics(self.registry)
         self.requests = RequestOptions(self.router, self.registry)  # migration and deadline
 
     @property
@@ -96,6 +102,8 @@ class WorkerPool:
     async def close(self) -> None:
         self._admission.fail_all(errors.Unavailable("the frontend is shutting down"), "shutdown")
         await self._dropping.close()
+        if self.kv_feeds is not None:
+            await self.kv_feeds.close()
         await asyncio.gather(*(w.close() for w in self.links))
 
     # --- the set of workers -----------------------------------------------------------------------
@@ -148,6 +156,9 @@ class WorkerPool:
             return
         self._leaving.discard(link.address)
         self.links.remove(link)
+        if self.kv_feeds is not None:
+            self.kv_feeds.down(link.address)
+            self.policy.forget(link.address)  # type: ignore[attr-defined]
         log.info("worker %s dropped", link.address)
 
         async def drop() -> None:
@@ -221,6 +232,12 @@ class WorkerPool:
             if not ps or not ds:
                 return None
             (p, p_page), (d, d_page) = self._choose("prefill", ps, h), self._choose("decode", ds, h)
+            local = self.router.pd_local_prefill_tokens
+            if local and len(ids) - getattr(self.policy, "overlaps", {}).get("decode", 0) <= local:
+                h.start(d)  # its uncached part is short: the decode worker prefills it itself
+                self._count(d)
+                self.policy.served("decode", d, ids, d_page, h.session)
+                return h
             h.start(d, p, bootstrap_of(p, self._room()))
             self._count(p, d)
             self.policy.served("prefill", p, ids, p_page, h.session)
@@ -246,7 +263,11 @@ class WorkerPool:
         """A worker answered the handshake: a decode worker learns the prefill workers this
         frontend uses; a prefill worker (new, or restarted on another port) is announced to every
         decode worker that is up."""
-        role = link.info.role if link.info is not None else "agg"
+        info = link.info
+        role = info.role if info is not None else "agg"
+        if self.kv_feeds is not None and info is not None:
+            self.kv_feeds.up(link.address, info.name, info.kv_events_addr, info.kv_replay_addr,
+                             info.page_size)
         if role == "decode":
             link.announce(self._prefill_addresses())
         elif role == "prefill":
@@ -324,6 +345,7 @@ class WorkerPool:
                 "pages_cached": load.pages_cached,  # (of pages_free)
                 "prefix_cache_queries": load.cache_queries,
                 "prefix_cache_hits": load.cache_hits,
+                **(self.kv_feeds.row(w.address) if self.kv_feeds is not None else {}),
             })
         return out
 

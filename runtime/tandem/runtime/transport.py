@@ -111,6 +111,11 @@ def use_keys(keys: auth.ClusterKeys | None) -> None:
     _keys = keys
 
 
+def keys() -> auth.ClusterKeys | None:
+    """The cluster's key pair this process uses (None: no CURVE)."""
+    return _keys
+
+
 def _socket(kind: int) -> Socket:
     sock = context().socket(kind, socket_class=Socket)
     sock.setsockopt(zmq.LINGER, 0)

@@ -1,0 +1,202 @@
+"""One worker's KV event stream into the `kv` policy's index (tandem.router.kv_index): a SUB
+socket on the worker's event address (its handshake says where), and, when batches were lost, a
+replay request on its replay socket (tandem.runtime.kv_events has the frames; the module
+docstring of tandem.router.kv_index what a gap does to the index).
+
+A feed is a task the pool owns (started when the worker says hello with an event address, ended
+when it leaves or the pool closes). Every frame is untrusted: one that does not decode is counted
+(`bad`) and dropped; a replay has a deadline (`REPLAY_TIMEOUT_S`) and a cap on its batches, and a
+replay that fails is a replay that returned nothing (the index starts over if it must). Events
+are applied on the event loop as they arrive: one batch per engine step per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tandem.router.kv_index import EventLog
+from tandem.router.kv_policy import KvAware
+from tandem.runtime import auth, transport
+from tandem.runtime.lifecycle import TaskGroup
+from tandem.runtime.metrics import Registry
+from tandem.runtime.kv_events import (KvEvent, KvEventsError, decode_live, decode_replay,
+                                      replay_request)
+
+log = logging.getLogger("tandem.router")
+
+REPLAY_TIMEOUT_S = 5.0
+MAX_REPLAY_BATCHES = 20_000  # (a worker buffers 10,000 by default)
+SUB_HWM = 100_000
+
+
+class KvFeed:
+    def __init__(self, name: str, events_addr: str, replay_addr: str, events: EventLog,
+                 clock: Callable[[], float] = time.monotonic,
+                 keys: auth.ClusterKeys | None = None) -> None:
+        self.name, self.events_addr, self.replay_addr = name, events_addr, replay_addr
+        self.events = events
+        self.clock = clock
+        self.keys = keys
+        self.bad = 0  # frames that did not decode
+        self.replays = 0  # replay requests made
+        self.seconds = 0.0  # wall time spent decoding and applying events
+        self._ctx = zmq.asyncio.Context.shadow(transport.context())
+
+    def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, SUB_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if self.keys is not None:
+            auth.make_client(sock, self.keys)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(address)
+        return sock
+
+    async def run(self) -> None:
+        """Read the stream until cancelled."""
+        sub = self._socket(zmq.SUB, self.events_addr)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                t0 = time.perf_counter()
+                try:
+                    batch = decode_live(frames)
+                except KvEventsError as e:
+                    self._bad(e)
+                    continue
+                want = self.events.live(batch.seq, batch.batch.events, self.clock())
+                self.seconds += time.perf_counter() - t0
+                if want is not None:
+                    got = await self.replay(want)
+                    t0 = time.perf_counter()
+                    self.events.replayed(got, self.clock())
+                    self.seconds += time.perf_counter() - t0
+        finally:
+            sub.close(0)
+
+    async def replay(self, start: int) -> Sequence[tuple[int, Sequence[KvEvent]]]:
+        """Every batch the worker still buffers from `start` on ([] if the replay fails)."""
+        self.replays += 1
+        if not self.replay_addr:
+            return []
+        sock = self._socket(zmq.DEALER, self.replay_addr)
+        out: list[tuple[int, Sequence[KvEvent]]] = []
+        try:
+            await sock.send_multipart(replay_request(start))
+            deadline = self.clock() + REPLAY_TIMEOUT_S
+            while len(out) < MAX_REPLAY_BATCHES:
+                left = deadline - self.clock()
+                if left <= 0 or not await sock.poll(left * 1000):
+                    log.warning("worker %s: KV event replay from %d timed out after %d batches",
+                                self.name, start, len(out))
+                    return out
+                try:
+                    got = decode_replay(await sock.recv_multipart())
+                except KvEventsError as e:
+                    self._bad(e)
+                    return out
+                if got is None:
+                    return out
+                out.append((got.seq, got.batch.events))
+            return out
+        finally:
+            sock.close(0)
+
+    def _bad(self, e: Exception) -> None:
+        self.bad += 1
+        if self.bad == 1 or self.bad % 1000 == 0:
+            log.warning("worker %s: dropped a KV event message that does not decode (%d so "
+                        "far): %s", self.name, self.bad, e)
+
+
+class KvFeeds:
+    """Every worker's feed, owned by the pool when its policy is `kv`: started when a worker says
+    hello with an event address (started again, with a fresh index, at every hello: a restarted
+    worker numbers its batches from 0; one that only reconnected replays what it buffers), ended
+    when it leaves, all closed with the pool.
+    Also what `/workers` and `/metrics` show of the index per worker."""
+
+    def __init__(self, policy: KvAware, keys: auth.ClusterKeys | None = None) -> None:
+        self.policy = policy
+        self.keys = keys
+        self.feeds: dict[str, tuple[str, KvFeed, asyncio.Task[None]]] = {}  # address -> ...
+        self._tasks = TaskGroup()
+
+    def up(self, address: str, name: str, events_addr: str, replay_addr: str,
+           page_size: int) -> None:
+        self.down(address)  # (a hello again may be a restarted worker: its seq starts over)
+        self.policy.forget(address)
+        index = self.policy.index(address, page_size)
+        if not events_addr:
+            return  # no events: the index is the approximation of its placements
+        index.events = True
+        feed = KvFeed(name or address, events_addr, replay_addr, self.policy.logs[address],
+                      self.policy.clock, self.keys)
+        task = self._tasks.spawn(feed.run(), name=f"kv-events {address}")
+        self.feeds[address] = (events_addr, feed, task)
+        log.info("worker %s: routing on its KV events from %s", address, events_addr)
+
+    def down(self, address: str) -> None:
+        old = self.feeds.pop(address, None)
+        if old is not None:
+            old[2].cancel()
+
+    async def close(self) -> None:
+        self.feeds.clear()
+        await self._tasks.close()
+
+    def row(self, address: str) -> dict[str, Any]:
+        """What `/workers` shows of the worker's index."""
+        index = self.policy.indexes.get(address)
+        events = self.policy.logs.get(address)
+        if index is None or events is None:
+            return {}
+        feed = self.feeds.get(address)
+        now = self.policy.clock()
+        return {
+            "kv_index": "events" if index.events else "approximate (placements; no KV events)",
+            "kv_events_applied": index.events_applied,
+            "kv_index_blocks": index.size,
+            "kv_last_event_age_s": None if index.last_event_at is None
+            else round(now - index.last_event_at, 3),
+            "kv_event_gaps": events.gaps, "kv_index_resets": events.resets,
+            "kv_bad_event_messages": feed[1].bad if feed is not None else 0,
+            "kv_predicted_cached_tokens": self.policy.predicted.get(address, 0),
+        }
+
+    def register_metrics(self, r: Registry) -> None:
+        p = self.policy
+
+        def per(get: Callable[[str], float]) -> Callable[[], list[Any]]:
+            return lambda: [((a,), get(a)) for a in list(p.indexes)]
+
+        r.callback("tandem_router_kv_events_applied_total", "KV events applied to the worker's "
+                   "index (0 with the kv policy: the router routes on an empty index).",
+                   per(lambda a: p.indexes[a].events_applied), ("worker",), kind="counter")
+        r.callback("tandem_router_kv_index_blocks", "Blocks the router's index says the worker "
+                   "holds.", per(lambda a: p.indexes[a].size), ("worker",))
+        r.callback("tandem_router_kv_last_event_age_seconds", "Seconds since the worker's last "
+                   "KV event (absent before the first).",
+                   lambda: [((a,), p.clock() - i.last_event_at) for a, i in list(p.indexes.items())
+                            if i.last_event_at is not None], ("worker",))
+        r.callback("tandem_router_kv_predicted_cached_tokens_total", "Prompt tokens the router "
+                   "predicted cached on the worker when it placed requests there (compare with "
+                   "the worker's tandem_prefix_cache_hits_total).",
+                   per(lambda a: p.predicted.get(a, 0)), ("worker",), kind="counter")
+        r.callback("tandem_router_kv_event_gaps_total", "Times batches of the worker's KV events "
+                   "were found missing.", per(lambda a: p.logs[a].gaps), ("worker",),
+                   kind="counter")
+        r.callback("tandem_router_kv_seconds_total", "Wall time the kv policy spent, by part: "
+                   "placement (choosing, recording) and events (decoding, applying).",
+                   lambda: [(("placement",), p.seconds),
+                            (("events",), sum(f[1].seconds for f in list(self.feeds.values())))],
+                   ("part",), kind="counter")

@@ -1,0 +1,63 @@
+"""The kv policy on a live cluster: two mock workers publish their KV events, the frontend's
+index follows them (visible in /workers), and a request whose long prefix one worker holds goes
+to that worker even when the other is idler by request count; a worker with --no-kv-events is
+routed on an approximate index, and /workers says so."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+PREFIX = list(range(100, 400))  # 300 tokens: 18 full pages of 16
+
+
+def complete(url: str, prompt: list[int], session: str = "") -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    headers = {"Content-Type": "application/json"}
+    if session:
+        headers["X-Session-ID"] = session
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_repeated_prefix_lands_on_the_worker_that_holds_it(make_cluster: Any) -> None:
+    c = make_cluster("mock", workers=2, frontend_args=["--router-policy", "kv",
+                                                       "--kv-predict-ttl", "0"])
+    first = complete(c.url, PREFIX + [1, 2, 3])
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # the holder's events reach the index (no prediction: its TTL is 0 here)
+    wait_for(lambda: max(w["kv_index_blocks"] for w in c.worker_states()) >= 18)
+    rows = c.worker_states()
+    holder = next(w["address"] for w in rows if w["kv_index_blocks"] >= 18)
+    assert all(w["kv_index"] == "events" for w in rows)
+    for q in range(5):
+        usage = complete(c.url, PREFIX + [10 + q, 11])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 288  # 18 pages, on the holder
+    rows = {w["address"]: w for w in c.worker_states()}
+    assert rows[holder]["prefix_cache_hits"] == 5 * 288
+    assert rows[holder]["kv_events_applied"] > 0 and rows[holder]["kv_last_event_age_s"] >= 0
+    assert rows[holder]["kv_predicted_cached_tokens"] == 5 * 288  # the router predicted each hit
+    c.assert_idle()
+
+
+def test_a_worker_without_events_gets_an_approximate_index(make_cluster: Any) -> None:
+    c = make_cluster("mock", workers=2, worker_args=["--no-kv-events"],
+                     frontend_args=["--router-policy", "kv"])
+    complete(c.url, PREFIX + [1], session="s")
+    usage = complete(c.url, PREFIX + [2], session="s")["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 288  # placed by its placements
+    rows = c.worker_states()
+    assert all(w["kv_index"].startswith("approximate") and w["kv_events_applied"] == 0
+               for w in rows)
+    c.assert_idle()
