@@ -36,13 +36,14 @@ from tandem.runtime.wire import OutputMode, Role, SamplingParams
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 HttpServer = Literal["uvicorn", "granian"]
-RouterPolicy = Literal["least-loaded", "round-robin", "prefix", "kv"]
+RouterPolicy = Literal["auto", "least-loaded", "round-robin", "prefix", "kv"]
 
 ROLES: tuple[Role, ...] = ("agg", "prefill", "decode")
 OUTPUT_MODES: tuple[OutputMode, ...] = ("cumulative", "incremental")
 LOG_LEVELS: tuple[LogLevel, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 HTTP_SERVERS: tuple[HttpServer, ...] = ("uvicorn", "granian")
-ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("least-loaded", "round-robin", "prefix", "kv")
+ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("auto", "least-loaded", "round-robin", "prefix",
+                                             "kv")
 ENGINES = ("reference", "mock", "sglang")  # what a worker can run (tandem.engines.factory builds it)
 PASSTHROUGH_ENGINES = ("sglang",)  # engines whose own flags pass through `tandem worker` untouched
 
@@ -209,11 +210,12 @@ class WorkerConfig(MockTiming, Common):
 class RouterConfig:
     """router flags: placement and admission (0 = unlimited for the per-worker limits)"""
 
-    policy: RouterPolicy = opt("least-loaded", "how the router picks a worker within a role: "
+    policy: RouterPolicy = opt("auto", "how the router picks a worker within a role: "
                                "least-loaded, round-robin, prefix (the worker that last served "
-                               "the longest shared prompt prefix), or kv (the lowest predicted "
+                               "the longest shared prompt prefix), kv (the lowest predicted "
                                "time to first token from what each worker's KV events say it "
-                               "holds and its load; see README, \"KV-aware routing\")",
+                               "holds and its load; see README, \"KV-aware routing\"), or auto: "
+                               "kv among workers that publish KV events, least-loaded otherwise",
                                flag="--router-policy", choices=ROUTER_POLICIES)
     max_inflight_per_worker: int = opt(4096, "most requests the router keeps on one worker; more "
                                        "wait in the router's queue (0 = unlimited)",

@@ -22,6 +22,10 @@ Sessions (`session`: from `X-Session-ID`, `X-Correlation-ID` and similar headers
 the new prompt continues it, for `session_ttl_s` after the last turn. A preference through the cost,
 never a pin: a full worker is not a candidate at all, and a cheaper one still wins.
 
+`auto` (the default policy): this rule among candidates of which one publishes KV events, and
+least-loaded among candidates none of which does (SGLang without `--kv-events-config`, an older
+worker), with no approximate index.
+
 In PD the same cost chooses the prefill worker; the decode worker is chosen by the same rule
 without a pending prefill (its cached pages save a transfer, not a computation). `last_overlap` is
 `overlaps[role]` is the predicted cached tokens of the role's last choice (the pool hands it to the
@@ -34,16 +38,18 @@ import time
 from collections.abc import Callable, Sequence
 
 from tandem.router.kv_index import EventLog, WorkerIndex
-from tandem.router.policy import Candidate, block_hashes
+from tandem.router.policy import Candidate, block_hashes, least_loaded
 
 __all__ = ["KvAware"]
 
 
 class KvAware:
-    def __init__(self, *, prefill_weight: float = 1.0, decode_weight: float = 1.0,
+    def __init__(self, *, auto: bool = False, prefill_weight: float = 1.0,
+                 decode_weight: float = 1.0,
                  predict_ttl_s: float = 2.0, approx_ttl_s: float = 120.0,
                  session_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.auto = auto  # route by load (least-loaded) unless a candidate publishes KV events
         self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
         self.predict_ttl_s, self.approx_ttl_s = predict_ttl_s, approx_ttl_s
         self.session_ttl_s = session_ttl_s
@@ -81,6 +87,9 @@ class KvAware:
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
                page_size: int, session: str = "") -> Candidate:
+        if self.auto and not any(self.index(c.address, page_size).events for c in candidates):
+            self.overlaps[role] = 0
+            return least_loaded(candidates)
         t0 = time.perf_counter()
         now = self.clock()
         keys = self._block_keys(prompt_ids, page_size)
@@ -112,6 +121,8 @@ class KvAware:
 
     def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
                session: str = "") -> None:
+        if self.auto and not self.index(chosen.address, page_size).events:
+            return  # (auto, by load: nothing to predict)
         t0 = time.perf_counter()
         now = self.clock()
         keys = self._block_keys(prompt_ids, page_size)
