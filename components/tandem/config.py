@@ -229,11 +229,15 @@ class RouterConfig:
                                  "it gets 503", flag="--queue-timeout", type=positive_float)
     prefix_cache_blocks: int = opt(65_536, "prefix policy: prompt block hashes remembered (LRU), "
                                    "per role", type=positive_int)
-    kv_prefill_weight: float = opt(1.0, "kv policy: weight of a worker's prefill work (queued "
-                                   "plus the prompt tokens it lacks) in its cost",
+    kv_prefill_weight: float = opt(1.0, "kv policy: weight of a worker's prefill work (its "
+                                   "weighted queue plus the prompt tokens it lacks) in its cost",
                                    type=non_negative_float)
-    kv_decode_weight: float = opt(1.0, "kv policy: weight of the tokens a worker's running "
-                                  "requests hold in its cost", type=non_negative_float)
+    kv_queue_weight: float = opt(0.25, "kv policy: how much of a worker's queued prefill delays "
+                                 "a new request (an engine batches prefills: less than all)",
+                                 type=non_negative_float)
+    kv_decode_weight: float = opt(32.0, "kv policy: what one request running on a worker "
+                                  "costs a new one there, in prompt tokens to compute (its share "
+                                  "of every step)", type=non_negative_float)
     kv_predict_ttl_s: float = opt(2.0, "kv policy: seconds a placement counts as cached on its "
                                   "worker before that worker's events say so (siblings land "
                                   "together)", flag="--kv-predict-ttl", type=non_negative_float)

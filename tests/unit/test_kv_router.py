@@ -97,20 +97,21 @@ def policy(now: list[float]) -> KvAware:
 
 def test_the_worker_that_holds_the_prefix_wins_until_its_load_outweighs_it() -> None:
     now = [0.0]
-    kv = policy(now)
+    kv = policy(now)  # weights: prefill 1, queue 0.25, decode 32 per running request
     a, b = Worker("a"), Worker("b")
     for w in (a, b):
         kv.index(w.address, P).events = True
     kv.index("b", P).apply([stored([1, 2, 3, 4], None, PROMPT[:16])], 0.0)
     # a: cost 20 (computes all); b: 20 - 16 = 4
     assert kv.choose("agg", [a, b], PROMPT, P) is b and kv.overlaps["agg"] == 16
-    # b's running requests hold 5 pages (20 tokens): 4 + 20 = 24 > 20
-    b.load = Load(pages_free=95, pages_total=100)
+    b.num_in_flight = 1  # 4 + 32 = 36 > 20
     assert kv.choose("agg", [a, b], PROMPT, P) is a and kv.overlaps["agg"] == 0
-    # ... or its queue: 17 pending prefill tokens, 4 + 17 = 21 > 20
-    b.load = Load(pages_free=100, pages_total=100)
-    b.pending_prefill_tokens = 17
+    a.num_in_flight = 1  # 20 + 32 = 52 > 36
+    assert kv.choose("agg", [a, b], PROMPT, P) is b
+    b.pending_prefill_tokens = 68  # 4 + 17 + 32 = 53 > 52: its queue outweighs its cache
     assert kv.choose("agg", [a, b], PROMPT, P) is a
+    a.num_in_flight = 2  # a: 20 + 64 = 84 > 53
+    assert kv.choose("agg", [a, b], PROMPT, P) is b
 
 
 def test_the_last_prompt_page_is_always_computed() -> None:
@@ -152,8 +153,8 @@ def test_a_session_prefers_its_last_worker_only_while_the_prompt_continues() -> 
     assert kv.overlaps["agg"] == 12
     other = [99] * 17
     assert kv.choose("agg", [a, b], other, P, session="s1") is a  # not a continuation
-    b.load = Load(pages_free=80, pages_total=100)  # a preference, not a pin
+    b.num_in_flight = 1  # a preference, not a pin: 5 + 32 > 17
     assert kv.choose("agg", [a, b], turn2, P, session="s1") is a
     now[0] = 400.0  # idle past the session TTL
-    b.load = Load(pages_free=100, pages_total=100)
+    b.num_in_flight = 0
     assert kv.choose("agg", [a, b], turn2, P, session="s1") is a

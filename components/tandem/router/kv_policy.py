@@ -1,12 +1,17 @@
 """The `kv` routing policy: place a request where it will get its first token soonest, counting
 what each worker already holds (tandem.router.kv_index, fed by the workers' KV events).
 
-Per candidate worker, in tokens:
+Per candidate worker, in prompt tokens to compute:
 
-    cost = prefill_weight * (pending prefill + the prompt's tokens it does not hold)
-         + decode_weight * tokens its running requests hold (its last load report)
+    cost = prefill_weight * (queue_weight * its pending prefill + the prompt tokens it lacks)
+         + decode_weight * the requests running on it
 
-and the lowest cost wins (ties: fewest requests in flight, then the pool's order). "Does not
+and the lowest cost wins (ties: fewest requests in flight, then the pool's order). The pending
+prefill counts a fraction (`queue_weight`, 0.25): an engine that batches prefills computes the
+queued ones in the same steps as the new one, so they delay it by less than their length, and
+counting them whole sends a request away from the worker that holds its prefix whenever that
+worker is computing another miss, which makes a second copy of the prefix elsewhere and evicts
+more. A running request costs a new one its share of every step (`decode_weight`, 32 tokens). "Does not
 hold": the prompt minus the leading full pages the worker's index has, or that this router placed
 there moments ago (siblings arriving before the first event), at most all pages but the last (a
 worker always computes the last prompt token). The pending prefill counts only what the router
@@ -14,8 +19,7 @@ predicted uncached for the requests it placed (tandem.router.accounting), so a w
 hot prefix is not charged its full length per request; and because the load term grows with every
 request it takes, a hot prefix spreads to a second worker as soon as queueing behind the first
 would cost more than computing the prefix again: the policy never piles a prefix onto one worker
-regardless of load. Within the held-token term a shared prefix counts once (the engine reports
-pages, not requests).
+regardless of load.
 
 Sessions (`session`: from `X-Session-ID`, `X-Correlation-ID` and similar headers, or the request's
 `user`): the worker that served a session's last turn is assumed to hold that turn's prompt when
@@ -45,12 +49,13 @@ __all__ = ["KvAware"]
 
 class KvAware:
     def __init__(self, *, auto: bool = False, prefill_weight: float = 1.0,
-                 decode_weight: float = 1.0,
+                 queue_weight: float = 0.25, decode_weight: float = 32.0,
                  predict_ttl_s: float = 2.0, approx_ttl_s: float = 120.0,
                  session_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.auto = auto  # route by load (least-loaded) unless a candidate publishes KV events
         self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
+        self.queue_weight = queue_weight
         self.predict_ttl_s, self.approx_ttl_s = predict_ttl_s, approx_ttl_s
         self.session_ttl_s = session_ttl_s
         self.clock = clock
@@ -100,17 +105,15 @@ class KvAware:
             hint = None
         best: Candidate | None = None
         best_cost, best_overlap = 0.0, 0
-        pw, dw = self.prefill_weight, self.decode_weight
+        pw, qw, dw = self.prefill_weight, self.queue_weight, self.decode_weight
         for c in candidates:
             blocks = self.index(c.address, page_size).overlap(keys, now)
             if hint is not None and hint[0] == c.address and hint[2] <= len(keys) and \
                     keys[hint[2] - 1] == hint[1]:
                 blocks = max(blocks, hint[2])  # the session's last turn, continued
             overlap = min(blocks, most) * page_size
-            load = c.load
-            held = (load.pages_total - load.pages_free) * page_size
             pending = c.pending_prefill_tokens if role != "decode" else 0
-            cost = pw * (pending + n - overlap) + dw * held
+            cost = pw * (qw * pending + n - overlap) + dw * c.num_in_flight
             if best is None or cost < best_cost or (cost == best_cost and
                                                     c.num_in_flight < best.num_in_flight):
                 best, best_cost, best_overlap = c, cost, overlap

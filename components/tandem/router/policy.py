@@ -136,6 +136,7 @@ def make_policy(name: str, order: Sequence[str], router: RouterConfig) -> Policy
         from tandem.router.kv_policy import KvAware
 
         return KvAware(auto=name == "auto", prefill_weight=router.kv_prefill_weight,
+                       queue_weight=router.kv_queue_weight,
                        decode_weight=router.kv_decode_weight,
                        predict_ttl_s=router.kv_predict_ttl_s, approx_ttl_s=router.kv_approx_ttl_s,
                        session_ttl_s=router.session_ttl_s)
