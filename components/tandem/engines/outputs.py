@@ -103,7 +103,7 @@ def postprocess(name: str, sched: Scheduler, seqs: list[Sequence], tokens: list[
         out = seq.output_ids
         n_prompt = len(seq.prompt_ids)
         seq.num_cached = n_prompt + len(out)  # the K/V of every token before this one
-        if seq.num_cached >= seq.publish_at:  # it filled a page: cache it
+        if seq.num_cached >= seq.publish_at:  # its prompt is computed: cache its full pages
             sched.publish(seq)
         if seq.pd == "prefill":  # first token sampled: the KV handoff takes it from here
             sched.to_sending(seq)
@@ -128,6 +128,8 @@ def postprocess(name: str, sched: Scheduler, seqs: list[Sequence], tokens: list[
         elif n_prompt + n >= seq.max_total:
             finish = "length"
         if finish is not None:
+            if sched.pool.caching:  # the pages its completion filled
+                sched.publish(seq)
             sched.finish(seq, finish)
             seq.done = True
         items.append((seq, EngineOutput(seq.rid, [token], finish, n_prompt, n,

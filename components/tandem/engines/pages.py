@@ -50,6 +50,7 @@ class PagePool:
         self._page: dict[int, int] = {}  # key -> cached page
         self._lru: dict[int, None] = {}  # cached pages nobody holds, least recently released first
         self.events: list[KvEvent] = []  # stores and evictions since the engine last took them
+        self.recording = True  # whether to record them (the engine: when someone takes them)
         self.queries = self.hits = 0  # prompt tokens looked up / found cached, at admission
 
     # --- counts ---------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class PagePool:
 
     def _stored(self, run: list[int], keys: Sequence[int], first: int,
                 tokens: Callable[[int, int], list[int]]) -> None:
-        if not run:
+        if not run or not self.recording:
             return
         size = self.page_size
         self.events.append(BlockStored(
@@ -134,7 +135,8 @@ class PagePool:
     def _evict(self, n: int) -> None:
         """Make `n` more pages free by evicting the least recently released cached ones."""
         lru, gone = self._lru, []
-        for page in list(lru)[:n]:
+        for _ in range(min(n, len(lru))):
+            page = next(iter(lru))  # (the oldest; no copy of the whole LRU per eviction)
             del lru[page]
             key = self._key.pop(page)
             del self._page[key]
@@ -142,7 +144,8 @@ class PagePool:
             self._free.append(page)
         if len(gone) < n:
             raise PagePoolError(f"need {n} pages more, {len(gone)} evictable")
-        self.events.append(BlockRemoved(block_hashes=gone))
+        if self.recording:
+            self.events.append(BlockRemoved(block_hashes=gone))
 
     def _new(self, n: int) -> list[int]:
         short = n - len(self._free)

@@ -27,13 +27,15 @@ def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT, start: 
     """The keys of the full pages `start, start + 1, ...` (up to `end`, or every full page) of a
     sequence whose tokens are `tokens` and whose page `start - 1` has key `parent`."""
     n_full = len(tokens) // page_size if end is None else end
+    if n_full <= start:
+        return []
+    ids = array("I", tokens[start * page_size:n_full * page_size]).tobytes()
+    step = 4 * page_size
+    digest = parent.to_bytes(_KEY_BYTES, "little")
     keys: list[int] = []
-    for i in range(start, n_full):
-        ids = array("I", tokens[i * page_size:(i + 1) * page_size])
-        h = blake2b(parent.to_bytes(_KEY_BYTES, "little"), digest_size=_KEY_BYTES)
-        h.update(ids.tobytes())
-        parent = int.from_bytes(h.digest(), "little")
-        keys.append(parent)
+    for at in range(0, len(ids), step):
+        digest = blake2b(digest + ids[at:at + step], digest_size=_KEY_BYTES).digest()
+        keys.append(int.from_bytes(digest, "little"))
     return keys
 
 

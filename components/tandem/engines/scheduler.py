@@ -23,8 +23,9 @@ Prefix cache (when the pool caches): at admission a sequence takes the cached pa
 prompt's leading full pages (`keys`, computed at submit; at most the pages before its last prompt
 token, so a step always computes at least one token and samples from it) and starts with
 `num_cached` past them; `cached_tokens` is what it reports. A decode sequence takes them too and
-has only the rest written (`skip`). As its computed tokens fill pages, `publish` caches them
-(`publish_at`: the token count at which its next page is full).
+has only the rest written (`skip`). `publish` caches its computed full pages: its prompt's once
+they are computed (`publish_at`: the prompt's length, then never), the rest when it finishes (one
+call, not one per page: a decode step's cost stays one comparison).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Sequence:
     pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
     status: SeqStatus = SeqStatus.WAITING
     num_cached: int = 0
-    publish_at: int = NEVER  # num_cached at which its next full page is cached
+    publish_at: int = NEVER  # num_cached at which its prompt's full pages are cached
     stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
     resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
     max_total: int  # prompt + completion tokens it may reach: min(prompt + max_tokens, context)
@@ -218,7 +219,7 @@ class Scheduler:
             pool.queries += len(seq.prompt_ids)
             pool.hits += num_hits * pool.page_size
             seq.published = num_hits
-            seq.publish_at = (num_hits + 1) * pool.page_size
+            seq.publish_at = len(seq.prompt_ids)
         if seq.pd == "decode":
             seq.skip = num_hits
         else:
@@ -235,10 +236,13 @@ class Scheduler:
         return True
 
     def publish(self, seq: Sequence) -> None:
-        """`seq`'s computed tokens filled one or more pages: cache them (the keys of pages past
-        its prompt's are computed here, from its tokens)."""
+        """Cache `seq`'s computed full pages not cached yet (the keys of pages past its prompt's
+        are computed here, from its tokens)."""
         size = self.pool.page_size
         n_full = seq.num_cached // size
+        seq.publish_at = NEVER
+        if n_full <= seq.published:
+            return
         keys = seq.keys
         tokens = seq.prompt_ids if n_full * size <= len(seq.prompt_ids) else \
             seq.prompt_ids + seq.output_ids
@@ -246,7 +250,6 @@ class Scheduler:
             keys += page_keys(tokens, size, keys[-1] if keys else ROOT, len(keys), n_full)
         self.pool.publish(seq.pages, keys, seq.published, n_full, lambda a, b: tokens[a:b])
         seq.published = n_full
-        seq.publish_at = (n_full + 1) * size
 
     def to_sending(self, seq: Sequence) -> None:
         """A prefill-only sequence computed its first token: out of the batch, pages kept."""

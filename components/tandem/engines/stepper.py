@@ -84,7 +84,7 @@ class Stepper(Engine):
         self.output_mode = output_mode
         self.pool = PagePool(num_pages, page_size, caching=prefix_cache)
         self.check_pages = check_pages or os.environ.get(CHECK_ENV) == "1"
-        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
+        self.on_kv_events = None  # (nobody takes KV events yet: the pool records none)
         self.broken = ""  # why the page accounting check failed: the engine takes no more work
         self.sched = Scheduler(self.pool, max_batch, max_prefill_tokens)
         self._handoff_spec = handoff
@@ -96,6 +96,17 @@ class Stepper(Engine):
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._started = self._running = self._closed = self._stopping = False
+
+    @property
+    def on_kv_events(self) -> Callable[[list[KvEvent]], None] | None:
+        """Who takes the KV events of each step (the worker's publisher); while nobody does, the
+        pool does not record them."""
+        return self._on_kv_events
+
+    @on_kv_events.setter
+    def on_kv_events(self, take: Callable[[list[KvEvent]], None] | None) -> None:
+        self._on_kv_events = take
+        self.pool.recording = take is not None
 
     # --- hooks ------------------------------------------------------------------------------------
     async def run(self, batch: Batch) -> list[int]:
