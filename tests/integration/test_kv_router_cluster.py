@@ -61,3 +61,20 @@ def test_a_worker_without_events_gets_an_approximate_index(make_cluster: Any) ->
     assert all(w["kv_index"].startswith("approximate") and w["kv_events_applied"] == 0
                for w in rows)
     c.assert_idle()
+
+
+def test_each_frontend_keeps_its_own_index_from_the_same_streams(make_cluster: Any) -> None:
+    """Two frontends over the same workers: what one frontend's traffic cached, the other's index
+    sees too (from the workers' events), and it routes there."""
+    c = make_cluster("mock", workers=2, frontend_args=["--router-policy", "kv",
+                                                       "--kv-predict-ttl", "0"])
+    first, first_url = c.frontend, c.url
+    complete(first_url, PREFIX + [1, 2])
+    try:  # a second frontend, started after the prefix was cached: it catches up by replay
+        c.start_frontend(["--router-policy", "kv", "--kv-predict-ttl", "0"])
+        assert c.url != first_url
+        wait_for(lambda: max(w["kv_index_blocks"] for w in c.worker_states()) >= 18)
+        usage = complete(c.url, PREFIX + [3, 4])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 288
+    finally:
+        first.stop()  # (the cluster stops the second)

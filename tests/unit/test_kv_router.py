@@ -158,3 +158,10 @@ def test_a_session_prefers_its_last_worker_only_while_the_prompt_continues() -> 
     now[0] = 400.0  # idle past the session TTL
     b.num_in_flight = 0
     assert kv.choose("agg", [a, b], turn2, P, session="s1") is a
+
+
+def test_catching_up_on_a_buffer_that_starts_late_is_not_a_reset() -> None:
+    idx = WorkerIndex(P)
+    log = EventLog(idx)
+    log.replayed([(40, [stored([1], None, PROMPT[0:4])]), (41, [])], 0.0, catching_up=True)
+    assert log.resets == 0 and log.next == 42 and idx.size == 1

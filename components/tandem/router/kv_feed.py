@@ -62,9 +62,14 @@ class KvFeed:
         return sock
 
     async def run(self) -> None:
-        """Read the stream until cancelled."""
+        """Catch up on what the worker still buffers (a frontend that starts after the worker
+        learns what it holds now, not only from its next event), then read the stream until
+        cancelled (batches that came meanwhile wait in the SUB socket; those already replayed
+        are skipped)."""
         sub = self._socket(zmq.SUB, self.events_addr)
         try:
+            got = await self.replay(0)
+            self.events.replayed(got, self.clock(), catching_up=True)
             while True:
                 frames = await sub.recv_multipart()
                 t0 = time.perf_counter()

@@ -157,7 +157,10 @@ class EventLog:
         self.next = seq + 1
         return None
 
-    def replayed(self, batches: Sequence[tuple[int, Sequence[KvEvent]]], now: float) -> None:
+    def replayed(self, batches: Sequence[tuple[int, Sequence[KvEvent]]], now: float,
+                 catching_up: bool = False) -> None:
+        """`catching_up`: the replay a new stream starts with (a buffer that no longer starts at
+        0 is not a loss then, and is not counted as a reset)."""
         self.replayed_batches += len(batches)
         todo = sorted([*batches, *self._held], key=lambda b: b[0])
         self._held, self.replaying = [], False
@@ -165,7 +168,7 @@ class EventLog:
             if seq < self.next:
                 continue
             if seq > self.next:  # gone for good: start over from here
-                self.resets += 1
+                self.resets += not (catching_up and self.next == 0)
                 self.index.clear()
             self.index.apply(events, now)
             self.next = seq + 1
