@@ -73,6 +73,14 @@ class KvEventsError(ProtocolError):
 
 # --- the events (what tandem's engines make and publish, and what decoding returns) ---------------
 
+# (The fields' bounds apply when bytes are decoded into these types, never when code makes them.)
+_Hash = Union[int, Annotated[bytes, Meta(max_length=64)]]
+_Token = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
+_BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+_Name = Union[Annotated[str, Meta(max_length=256)], None]
+_Rank = Union[Annotated[int, Meta(ge=0, le=(1 << 31) - 1)], None]
+_Ts = Annotated[float, Meta(ge=0.0)]
+
 
 class _Event(msgspec.Struct, tag_field="type", tag=True, gc=False):
     """A map tagged by "type" (the class name). Not `omit_defaults`: every field is written."""
@@ -84,18 +92,18 @@ class BlockStored(_Event):
 
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
+    token_ids: list[_Token]
+    block_size: _BlockSize
     lora_id: int | None = None
-    medium: str | None = None  # the storage tier: "GPU", "CPU_PINNED", ... (None: not said)
-    lora_name: str | None = None
+    medium: _Name = None  # the storage tier: "GPU", "CPU_PINNED", ... (None: not said)
+    lora_name: _Name = None
 
 
 class BlockRemoved(_Event):
     """Blocks no longer cached (evicted)."""
 
     block_hashes: list[int]
-    medium: str | None = None
+    medium: _Name = None
 
 
 class AllBlocksCleared(_Event):
@@ -108,9 +116,9 @@ KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
     """One batch: `[ts, events, dp_rank]` (ts: seconds since the epoch, when it was made)."""
 
-    ts: float
+    ts: _Ts
     events: list[KvEvent]
-    dp_rank: int | None = 0
+    dp_rank: _Rank = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -123,12 +131,6 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 # --- decoding: every published shape, as one kind of result or one error -------------------------
 
-_Hash = Union[int, Annotated[bytes, Meta(max_length=64)]]
-_Token = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
-_BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
-_Name = Union[Annotated[str, Meta(max_length=256)], None]
-_Rank = Union[Annotated[int, Meta(ge=0, le=(1 << 31) - 1)], None]
-_Ts = Annotated[float, Meta(ge=0.0)]
 
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored"):
@@ -185,6 +187,7 @@ _map_events = msgspec.msgpack.Decoder(Union[_StoredMap, _RemovedMap, _ClearedMap
 _array_events = msgspec.msgpack.Decoder(Union[_StoredArray, _RemovedArray, _ClearedArray])
 _array_batch = msgspec.msgpack.Decoder(_ArrayBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_fast_batch = msgspec.msgpack.Decoder(EventBatch)
 _MASK64 = (1 << 64) - 1
 
 
@@ -225,6 +228,17 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
     one, whatever the bytes."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise KvEventsError(f"payload of {len(payload)} bytes (most: {MAX_PAYLOAD_BYTES})")
+    try:  # the fast path: tandem's own form (and any with int hashes), in one typed decode
+        fast = _fast_batch.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    else:
+        for ev in fast.events:
+            if isinstance(ev, BlockStored) and \
+                    len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+                raise KvEventsError(f"BlockStored: {len(ev.token_ids)} token ids for "
+                                    f"{len(ev.block_hashes)} blocks of {ev.block_size}")
+        return fast
     try:
         kind = _kind(payload[0]) if len(payload) else "other"
         if kind == "other":
