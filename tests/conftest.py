@@ -83,14 +83,25 @@ def _fresh_zmq_context() -> Iterator[None]:
     cause was fixed: a disconnect monitor whose reader closed first stopped libzmq's I/O thread,
     and every later test that used ZMQ in the process failed; see tests/unit/test_zmq_monitor.py.)
     A context whose destroy does not finish within 2 s is left to its thread and never collected
-    (its `__del__` would block the interpreter's exit the same way)."""
-    from tandem.runtime import transport
+    (its `__del__` would block the interpreter's exit the same way). The CURVE authenticators
+    (ZAP handler threads, each running an asyncio loop over the context) are stopped first, while
+    their context lives: one left running over a destroyed context logs ContextTerminated errors
+    from its thread into whatever test runs next."""
+    from tandem.runtime import auth, transport
 
     yield
     ctx = transport.forget_context()
     if ctx is None:
+        auth.stop_authenticators()
         return
-    t = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
+
+    def end() -> None:
+        try:
+            auth.stop_authenticators()
+        finally:
+            ctx.destroy(linger=0)
+
+    t = threading.Thread(target=end, daemon=True)
     t.start()
     t.join(2.0)
     if t.is_alive():
