@@ -105,10 +105,12 @@ class Connection:
             except OSError:
                 pass
 
-    async def post_stream(self, path: str, body: bytes, timeout_s: float = 120.0) -> StreamResult:
+    async def post_stream(self, path: str, body: bytes, timeout_s: float = 120.0,
+                          headers: bytes = b"") -> StreamResult:
+        """`headers`: more request header lines, each ending in CRLF (b"X-Session-ID: 7\r\n")."""
         res = StreamResult()
         try:
-            await asyncio.wait_for(self._post(path, body, res), timeout_s)
+            await asyncio.wait_for(self._post(path, body, res, headers), timeout_s)
         except TimeoutError:
             res.error = f"timed out after {timeout_s:.0f}s"
             await self.close()
@@ -118,8 +120,8 @@ class Connection:
             await self.close()
         return res
 
-    async def send(self, path: str, body: bytes) -> tuple[asyncio.StreamReader, bytes, int,
-                                                          dict[bytes, bytes]]:
+    async def send(self, path: str, body: bytes, headers: bytes = b"") -> tuple[
+            asyncio.StreamReader, bytes, int, dict[bytes, bytes]]:
         """POST `body` (JSON) on this connection (opened if need be); its reader, and the answer's
         head, status and headers (names and values lower-cased)."""
         if self._writer is None:
@@ -127,8 +129,8 @@ class Connection:
         reader, writer = self._reader, self._writer
         assert reader is not None
         writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
-                                                          len(body), body))
+                     b"%sContent-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
+                                                            headers, len(body), body))
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.split(b"\r\n")
         headers = {}
@@ -138,9 +140,9 @@ class Connection:
                 headers[k.strip().lower()] = v.strip().lower()
         return reader, head, int(lines[0].split(b" ", 2)[1]), headers
 
-    async def _post(self, path: str, body: bytes, res: StreamResult) -> None:
+    async def _post(self, path: str, body: bytes, res: StreamResult, extra: bytes = b"") -> None:
         t0 = time.monotonic()
-        reader, head, res.status, headers = await self.send(path, body)
+        reader, head, res.status, headers = await self.send(path, body, extra)
         if b"content-length" in headers:
             data = await reader.readexactly(int(headers[b"content-length"]))
             res.error = f"HTTP {res.status}: {data[:200]!r}"
