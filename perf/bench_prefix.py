@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,6 +120,19 @@ def machine_snapshot() -> dict:
             "cpus": os.cpu_count(), "busy_others": sorted(busy, key=lambda x: -x["cpu_pct"])}
 
 
+def tree() -> str:
+    """The commit this tree is at, and whether its files differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "-uno"], check=True,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    return head + (" with uncommitted changes" if dirty else "")
+
+
 def plan(args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[str]]:
     """[(arm, workload)] to run each run, and what is skipped and why."""
     from tandem.config import ROUTER_POLICIES
@@ -157,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = int(json.load(f)["vocab_size"])
-    params = W.Params(vocab=vocab, **{f.name: getattr(args, f.name) for f in fields(W.Params)
-                                      if f.name != "vocab"})
+    params = W.Params(vocab=vocab, answer_tokens=args.max_tokens,
+                      **{f.name: getattr(args, f.name) for f in fields(W.Params)
+                         if f.name not in ("vocab", "answer_tokens")})
     rates = [float(x) for x in args.rates.split(",")]
     arms, skipped = plan(args)
     for s in skipped:
@@ -172,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             "params": asdict(params), "max_tokens": args.max_tokens, "timeout_s": args.timeout,
             "tandem_worker_args": worker_args, "num_pages": args.num_pages,
             "max_batch": args.max_batch, "dynamo_python": args.dynamo_python,
-            "dynamo_workers": 4, "timing": {"prefill_us": args.prefill_us_per_token,
+            "dynamo_workers": 4, "tree": tree(), "timing": {"prefill_us": args.prefill_us_per_token,
                                             "step_us": args.decode_step_us,
                                             "seq_us": args.decode_us_per_seq}}
     saved = {"argv": sys.argv[1:] if argv is None else argv, "spec": spec,
@@ -217,7 +232,7 @@ def write(out: str, saved: dict) -> None:
     header = [
         "# Prefix-aware routing: tandem's policies and Dynamo 1.6.1's, same client, same traffic",
         "", f"`python -m perf.bench_prefix {' '.join(saved['argv'])}`", "",
-        f"({mb.get('when', '?')}, {mb.get('cpus', '?')} CPUs, load average before "
+        f"(tandem at {spec.get('tree', '?')}; {mb.get('when', '?')}, {mb.get('cpus', '?')} CPUs, load average before "
         f"{tuple(round(x, 2) for x in mb.get('loadavg', ()))}; other busy processes before: "
         f"{_others(mb)}; after: {_others(saved.get('machine_after', {}))})", "",
         f"Workers: mock timing {spec['timing']}, {spec['num_pages']} KV pages of "

@@ -74,24 +74,16 @@ def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def tokenizer(model: str) -> Callable[[str], list[int]]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
-
-
 def run_levels(host: str, port: int, args: dict, workload: str, levels: list[Level],
                probe: Callable[[], dict[str, Any]]) -> list[dict]:
     """Every level in turn; `probe()` reads the processes' counters before and after each."""
     p = W.Params(**args["params"])
-    retok = tokenizer(args["model"])
     rows = []
     for li, rate, seed in levels:
         sessions = W.make(workload, p, rate, seed)
         before = probe()
         recs, unsent, wall = run(drive_level(host, port, args["model_name"], sessions,
-                                             args["max_tokens"], retok, args["timeout_s"]))
+                                             args["max_tokens"], args["timeout_s"]))
         time.sleep(0.7)  # the workers' next load reports carry the level's last counts
         after = probe()
         row = {"level": li, "rate": rate, "seed": seed, **summarize(recs, unsent, wall)}

@@ -4,7 +4,8 @@ level's summary.
 
 Open loop: each session starts at its own arrival time whatever the server is doing (a closed loop
 would slow down with the server and hide its queue: coordinated omission); a session's later turns
-wait for the previous answer and a think time, as a person does. Every request streams
+wait for the previous answer and a think time, as a person does, and append the session's scripted
+answer (perf.prefix_workloads says why not the text sent). Every request streams
 /v1/completions with a token-id prompt (exact lengths), `ignore_eos` and `max_tokens`, and
 `stream_options.include_usage` (for `usage.prompt_tokens_details.cached_tokens`) and
 `continuous_usage_stats` (usage in every chunk: Dynamo's frontend sends no chunk for a token whose
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from perf.client import Connection
@@ -49,8 +49,7 @@ class Rec:
 
 
 async def drive_level(host: str, port: int, model: str, sessions: list[Session],
-                      max_tokens: int, retokenize: Callable[[str], list[int]],
-                      timeout_s: float = 120.0) -> tuple[list[Rec], int, float]:
+                      max_tokens: int, timeout_s: float = 120.0) -> tuple[list[Rec], int, float]:
     """Send the level; (every request's record, turns never sent because their session's earlier
     turn failed, the level's wall time from its start to the last answer)."""
     loop = asyncio.get_running_loop()
@@ -92,7 +91,7 @@ async def drive_level(host: str, port: int, model: str, sessions: list[Session],
             if not r.ok:
                 unsent += len(s.turns) - i - 1
                 return
-            history = prompt + retokenize(r.text)
+            history = prompt + (s.answers[i] if i < len(s.answers) else [])
 
     try:
         await asyncio.gather(*(session(s) for s in sessions))

@@ -8,8 +8,13 @@ policies, Dynamo) is sent the very same requests at the very same times.
   group), and short questions (`question_min`..`question_max`); requests of all groups
   interleaved at random.
 - `multiturn`: sessions whose history grows each turn: the next prompt is the previous prompt, the
-  completion's tokens (the client re-tokenizes the text it was sent, as a chat client does) and a
-  new user turn; a think time (exponential) between a turn's answer and the next turn.
+  turn's answer and a new user turn; a think time (exponential) between a turn's answer and the
+  next turn. The answer in the history is the session's own (`answer_tokens` seeded ids), not the
+  text the server sent: mock engines emit arbitrary ids whose text re-tokenizes to other ids and
+  other lengths (tandem's mock: 32 ids become about 41; Dynamo's mocker: most decode to empty
+  text), so re-tokenized answers would send each system different, differently growing prompts.
+  Scripted, every system is sent the same prompts token for token; what an engine cached of its
+  own completion is then never matched, on any system alike.
 - `uniform`: a control with no shared prefix: random prompts of the shared workload's lengths.
 
 Each level draws its own groups and sessions (the level's seed), so a level starts cold for its own
@@ -46,6 +51,7 @@ class Params:
     user_min: int = 40  # ... and a user turn, as every later turn
     user_max: int = 120
     think_s: float = 1.0  # mean think time between turns (exponential)
+    answer_tokens: int = 32  # the answer each turn appends to the history (bench_prefix: max_tokens)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Session:
     start_s: float
     turns: list[list[int]]  # ids each turn appends (turn 0: the whole first prompt)
     think_s: list[float] = field(default_factory=list)  # before turn i+1
+    answers: list[list[int]] = field(default_factory=list)  # turn i's answer, in turn i+1's prompt
     group: int = -1  # shared: its group
     oracle_cached: list[int] = field(default_factory=list)  # per turn (shared only)
 
@@ -104,6 +111,7 @@ def uniform(p: Params, rate: float, seed: int) -> list[Session]:
 def multiturn(p: Params, rate: float, seed: int) -> list[Session]:
     """Sessions start at rate / (mean turns) per second, so turns are offered at about `rate`."""
     rng = random.Random(seed)
+    answer_rng = random.Random(seed + 1_000_003)  # (the other draws as without answers)
     mean_turns = (p.turns_min + p.turns_max) / 2
     n_sessions = max(1, round(level_requests(p, rate) / mean_turns))
     out = []
@@ -113,7 +121,8 @@ def multiturn(p: Params, rate: float, seed: int) -> list[Session]:
                      + rng.randint(p.user_min, p.user_max), p.vocab)
         later = [_ids(rng, rng.randint(p.user_min, p.user_max), p.vocab) for _ in range(k - 1)]
         think = [rng.expovariate(1 / p.think_s) if p.think_s > 0 else 0.0 for _ in range(k - 1)]
-        out.append(Session(f"m{seed}-{i}", t, [first, *later], think))
+        answers = [_ids(answer_rng, p.answer_tokens, p.vocab) for _ in range(k - 1)]
+        out.append(Session(f"m{seed}-{i}", t, [first, *later], think, answers=answers))
     return out
 
 

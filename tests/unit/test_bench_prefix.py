@@ -30,6 +30,10 @@ def test_the_workloads_are_seeded_and_in_range() -> None:
     assert len({tuple(s.turns[0][:16]) for s in u}) == len(u)  # no shared first page
     m = W.make("multiturn", P, 10.0, 7)
     assert all(2 <= len(s.turns) <= 3 and len(s.think_s) == len(s.turns) - 1 for s in m)
+    # each turn but the last has its scripted answer: the same ids whatever server answers
+    assert all(len(s.answers) == len(s.turns) - 1 and
+               all(len(x) == P.answer_tokens for x in s.answers) for s in m)
+    assert [s.answers for s in m] == [s.answers for s in W.make("multiturn", P, 10.0, 7)]
     with pytest.raises(ValueError):
         W.make("nope", P, 1.0, 1)
 
@@ -60,7 +64,7 @@ def _sse(text: str, prompt: int, cached: int) -> bytes:
     return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
 
 
-def test_a_session_grows_by_its_completion_and_carries_its_key() -> None:
+def test_a_session_grows_by_its_scripted_answer_and_carries_its_key() -> None:
     seen: list[tuple[dict, bytes]] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -80,23 +84,23 @@ def test_a_session_grows_by_its_completion_and_carries_its_key() -> None:
             await writer.drain()
         writer.close()
 
-    two = W.Session("m1", 0.0, [[5] * 20, [6] * 4], [0.0])
-    three = W.Session("m2", 0.05, [[7] * 20, [8] * 3, [9] * 3], [0.0, 0.0])
+    two = W.Session("m1", 0.0, [[5] * 20, [6] * 4], [0.0], answers=[[197, 198]])
+    three = W.Session("m2", 0.05, [[7] * 20, [8] * 3, [9] * 3], [0.0, 0.0],
+                      answers=[[11, 12], [13, 14]])
     lone = W.Session("s", 0.0, [[4] * 30], oracle_cached=[16])
 
     async def main() -> tuple:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            return await drive_level("127.0.0.1", port, "tiny", [two, three, lone], 2,
-                                     lambda text: [100 + ord(c) for c in text])
+            return await drive_level("127.0.0.1", port, "tiny", [two, three, lone], 2)
         finally:
             server.close()
 
     recs, unsent, wall = asyncio.run(main())
     by = {(b["user"] if "user" in b else "", len(b["prompt"])): (b, h) for b, h in seen}
     b, h = by[("m1", 20 + 2 + 4)]
-    assert b["prompt"] == [5] * 20 + [197, 198] + [6] * 4  # prompt + completion + new turn
+    assert b["prompt"] == [5] * 20 + [197, 198] + [6] * 4  # prompt + its answer + new turn
     assert b"X-Session-ID: m1\r\n" in h and b"X-Dynamo-Session-ID: m1\r\n" in h
     assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     lone_body, lone_head = by[("", 30)]
@@ -144,11 +148,27 @@ def test_the_report_finds_the_target_load_and_checks_the_targets() -> None:
     assert checks["kv TTFT p50 26 ms vs round-robin 210 ms"] is True
     assert checks["kv hit rate 0.880 vs oracle 0.900"] is True
     assert checks["kv 503s <= round-robin's at every load (3 workload-levels)"] is False
-    assert checks["uniform control"] is False  # 126 ms vs least-loaded's 94.5 at level 2
+    assert checks["uniform control at level 2"] is False  # 126 ms vs least-loaded's 94.5
     assert checks["shared"] is True  # hit rate 0.88 >= Dynamo's 0.85 (and the gain: 8x >= 1.8x)
     text = R.markdown(_runs(), ["# t"], ["dynamo kv: a reason"])
     assert "- FAIL: uniform control" in text and "- PASS: kv TTFT p50" in text
     assert "dynamo kv: a reason" in text and "| tandem:4agg:kv | 72 |" in text
+
+
+def test_the_uniform_control_allows_the_spread_of_two_arms_that_place_alike() -> None:
+    def med(kv: float, ll: float, prefix: float | None) -> dict:
+        arms = {"kv": kv, "least-loaded": ll, **({"prefix": prefix} if prefix else {})}
+        return R.medians([{"run": 1, "arm": f"tandem:2p2d:{a}", "workload": "uniform",
+                           "rows": [_row(0, 8, 50.0), _row(1, 56, t)]} for a, t in arms.items()])
+
+    assert R.uniform_check(med(1090, 1000, None), "2p2d", 1)["pass"] is True  # within 10%
+    assert R.uniform_check(med(1110, 1000, None), "2p2d", 1)["pass"] is False
+    # least-loaded and prefix, the same placement on this traffic, 30% apart: that is the noise
+    wide = R.uniform_check(med(1250, 1000, 1300), "2p2d", 1)
+    assert wide["pass"] is True and "30% apart" in wide["text"] and "1.30x" in wide["text"]
+    assert R.uniform_check(med(1350, 1000, 1300), "2p2d", 1)["pass"] is False
+    assert "0: 1.00, 1: 1.35" in R.uniform_check(med(1350, 1000, 1300), "2p2d", 1)["text"]
+    assert R.uniform_check(med(1350, 1000, 1300), "2p2d", None)["pass"] is None  # no level
 
 
 def test_the_plot_has_a_row_per_workload() -> None:
