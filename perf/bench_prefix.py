@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                       **{f.name: getattr(args, f.name) for f in fields(W.Params)
                          if f.name not in ("vocab", "answer_tokens")})
     rates = [float(x) for x in args.rates.split(",")]
+    # a SIGTERM unwinds (each arm's `finally` stops its cluster) instead of orphaning the cluster
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     arms, skipped = plan(args)
     for s in skipped:
         print("skipped:", s, flush=True)
