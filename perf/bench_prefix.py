@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--num-pages", type=int, default=600, help="KV pages (blocks) per worker, tandem's "
       "--num-pages and the mocker's --num-gpu-blocks-override: small enough that a worker holds "
       "about half the groups' prefixes (default: 600)")
+    a("--frontend-args", default="", help="more flags for tandem's frontend, as one string "
+      "(e.g. '--kv-decode-weight 16': the kv policy's knobs) (default: none)")
     a("--max-batch", type=int, default=64, help="running requests per worker: tandem's "
       "--max-batch, the mocker's --max-num-seqs (default: 64)")
     a("--prefill-us-per-token", type=float, default=50.0, help="mock timing: µs per computed "
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"model": os.path.abspath(args.model),
             "model_name": args.model.rstrip("/").rsplit("/", 1)[-1],
             "params": asdict(params), "max_tokens": args.max_tokens, "timeout_s": args.timeout,
-            "tandem_worker_args": worker_args, "num_pages": args.num_pages,
+            "tandem_worker_args": worker_args,
+            "tandem_frontend_args": shlex.split(args.frontend_args), "num_pages": args.num_pages,
             "max_batch": args.max_batch, "dynamo_python": args.dynamo_python,
             "dynamo_workers": 4, "tree": tree(), "timing": {"prefill_us": args.prefill_us_per_token,
                                             "step_us": args.decode_step_us,
@@ -242,6 +246,8 @@ def write(out: str, saved: dict) -> None:
         f"{spec['params']['page_size']} tokens and {spec['max_batch']} running requests per "
         f"worker; {spec['max_tokens']} output tokens per request; workload {spec['params']}.",
     ]
+    if spec.get("tandem_frontend_args"):
+        header.append(f"tandem's frontend also ran with `{' '.join(spec['tandem_frontend_args'])}`.")
     header += [f"Failed: {x}" for x in saved.get("failures", [])]
     text = R.markdown(saved["runs"], header, saved.get("skipped", []))
     with open(out + ".md", "w") as f:

@@ -31,9 +31,8 @@ least-loaded among candidates none of which does (SGLang without `--kv-events-co
 worker), with no approximate index.
 
 In PD the same cost chooses the prefill worker; the decode worker is chosen by the same rule
-without a pending prefill (its cached pages save a transfer, not a computation). `last_overlap` is
-`overlaps[role]` is the predicted cached tokens of the role's last choice (the pool hands it to the
-accounting).
+without a pending prefill (its cached pages save a transfer, not a computation). `overlaps[role]`
+is the predicted cached tokens of the role's last choice (the pool hands it to the accounting).
 """
 
 from __future__ import annotations
