@@ -120,6 +120,7 @@ def spec_from_config(model_dir: str, cfg: dict[str, Any]) -> ModelSpec:
 
 class MockEngine(Stepper):
     name = "mock"
+    no_grammar_why = ": it produces no real text"
 
     def __init__(self, model_dir: str, *, page_size: int = WorkerConfig.page_size,
                  num_pages: int = WorkerConfig.num_pages, max_batch: int = WorkerConfig.max_batch,

@@ -82,6 +82,7 @@ class Sequence:
     published: int = 0  # leading pages cached (or found cached) so far
     cached_tokens: int = 0  # prompt tokens it did not compute (usage.cached_tokens)
     skip: int = 0  # decode: leading prompt pages it had cached (not written by the prefill side)
+    grammar: Any = None  # constrained output: what its tokens must follow (reference/grammar.py)
 
     def __post_init__(self) -> None:
         if not self.owner:

@@ -33,14 +33,14 @@ from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineReques
                                  EngineRequestError, OutputSink)
 from tandem.engines.outputs import Step, deliver, ending, last_output, postprocess
 from tandem.engines.handoff import Handoff, HandoffSpec
-from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
+from tandem.engines.sampling import adjusts_logits, check_request, grammar_param, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
 from tandem.engines.pages import PagePool
 from tandem.engines.prefix import page_keys
 from tandem.runtime.errors import PagePoolError
 from tandem.runtime.kv_events import KvEvent
 from tandem.runtime.lifecycle import crash
-from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
+from tandem.runtime.wire import FinishReason, Load, OutputMode, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
 
@@ -68,6 +68,7 @@ class Stepper(Engine):
     page_bytes: int = 0  # bytes of one KV page: what a mover moves
     step_thread = False
     output_mode: OutputMode = "incremental"  # the default: a step holds just the new token
+    no_grammar_why = ""  # why the engine refuses constrained output (`constraint`), in words
 
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
                  output_mode: OutputMode | None, max_prefill_tokens: int,
@@ -124,6 +125,15 @@ class Stepper(Engine):
     def check_prompt(self, prompt: list[int]) -> None:
         """Refuse a prompt this engine cannot take (raise EngineRequestError)."""
 
+    def constraint(self, p: SamplingParams) -> Any:
+        """The request's grammar state (None: unconstrained), or EngineRequestError naming the
+        field. Engines that constrain their output override it; the rest refuse by name."""
+        param = grammar_param(p)
+        if param is not None:
+            raise EngineRequestError(f"{param} (constrained output) is not supported by the "
+                                     f"{self.name} engine{self.no_grammar_why}", param=param)
+        return None
+
     def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
         prompt, ctx = list(req.prompt_ids), self.spec.max_context
         check_request(prompt, req.sampling, self.spec,
@@ -136,7 +146,10 @@ class Stepper(Engine):
             raise EngineRequestError(
                 f"{max_total} tokens need {self.pool.pages_for(max_total)} KV pages; "
                 f"this engine has {self.num_pages}")
-        return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
+        grammar = self.constraint(req.sampling)
+        if grammar is not None and req.resume_offset:
+            grammar.resume(prompt[len(prompt) - req.resume_offset:])
+        return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling, grammar=grammar,
                         max_total=max_total, stop_ids=stop_ids(req.sampling,
                                                                self.spec.eos_token_ids),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,

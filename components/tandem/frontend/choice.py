@@ -4,7 +4,8 @@
 state and nothing else: its detokenizer (stop strings included), the `stream_interval` decision,
 its counts and its finish. It is pure: `feed(delta)` returns the SSE bytes to write now (none when
 aggregated, or when the interval says wait), so it is tested without I/O. `RichChoiceState` is the
-one a choice gets when its chunks carry more than text (logprobs, usage in every chunk).
+one a choice gets when its chunks carry more than text (logprobs, usage in every chunk);
+`ToolCallState` the one whose output is a tool call (tandem.frontend.structured).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.detokenizer import Detokenizer
 from tandem.frontend.http import error_of
+from tandem.frontend.structured import Constraint, parse_tool_call
 from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
 
 
@@ -51,6 +53,7 @@ class GenerationJob:
     continuous_usage: bool = False  # usage in every streamed chunk
     token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
     user: str = ""  # the request's `user` (a conversation key for the router, with no header)
+    constraint: Constraint | None = None  # its output's grammar; a tool call: ToolCallState
     # What the response loop reports back, for the access log:
     rid: str = ""
     completion_tokens: int = 0
@@ -238,8 +241,49 @@ class RichChoiceState(ChoiceState):
             if self.continuous else None
 
 
+class ToolCallState(ChoiceState):
+    """A choice whose output is a tool call, `{"name": ..., "arguments": {...}}` as its grammar
+    makes it: held whole (a stream sends its role chunk, then nothing until the end), it becomes
+    the message's `tool_calls` (streamed as one `delta.tool_calls` chunk), finish_reason
+    "tool_calls". An output cut short (max_tokens, a stop string) is no call: it goes out as
+    content with its own finish reason."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None) -> None:
+        super().__init__(detok, None, 1, False)
+        self.head = enc.role() if enc is not None else b""
+        self.calls: list[schemas.ToolCall] | None = None
+        self.enc = enc
+
+    def feed(self, d: Delta) -> bytes:
+        enc, self.enc = self.enc, None  # (collect only)
+        try:
+            ChoiceState.feed(self, d)
+        finally:
+            self.enc = enc
+        if self.finish is None:
+            out, self.head = self.head, b""
+            return out
+        call = parse_tool_call(self.text) if self.finish == "stop" else None
+        if call is not None:
+            self.calls = [schemas.ToolCall(api.new_id("call_"), "function",
+                                           schemas.FunctionCall(*call))]
+            self.finish = "tool_calls"
+        if enc is None:
+            return b""
+        out, self.head = self.head, b""
+        if self.calls is None:
+            return out + (enc.text(self.text, self.finish) if self.text else
+                          enc.finish(self.finish))
+        return out + enc.tool_calls(self.calls) + enc.finish(self.finish)
+
+
 def state_of(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
            created: int) -> ChoiceState:
+    if job.constraint is not None and job.constraint.tool_call:
+        return ToolCallState(spec.detokenizer, sse.ChunkEncoder(job.kind, rid, created, job.model,
+                                                                index) if job.stream else None)
     if job.continuous_usage or job.logprobs is not None:
         return RichChoiceState(job, spec, index, rid, created)
     enc = sse.ChunkEncoder(job.kind, rid, created, job.model, index) if job.stream else None

@@ -64,6 +64,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     stream_interval: AnyInt | None = None  # tandem extension: coalesce this many tokens per chunk
+    regex: str | None = None  # tandem extension: the output matches this regular expression
 
 
 class CompletionRequest(GenerateRequest, kw_only=True):
@@ -152,9 +153,30 @@ class CompletionLogprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float]]
 
 
-class ResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCall
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A streamed tool call (`delta.tool_calls`): tandem sends each whole, in one chunk."""
+
+    index: int
+    id: str
+    type: str
+    function: FunctionCall
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -176,6 +198,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -82,6 +82,14 @@ class ChunkEncoder:
             self.rid, "chat.completion.chunk", self.created, self.model,
             [schemas.ChatChunkChoice(self.index, schemas.ChatDelta(), None, finish)]))
 
+    def tool_calls(self, calls: list[schemas.ToolCall]) -> bytes:
+        """A chat chunk carrying whole tool calls (`delta.tool_calls`), without a finish."""
+        delta = schemas.ChatDelta(tool_calls=[schemas.ToolCallDelta(i, c.id, c.type, c.function)
+                                              for i, c in enumerate(calls)])
+        return event(schemas.ChatCompletionChunk(
+            self.rid, "chat.completion.chunk", self.created, self.model,
+            [schemas.ChatChunkChoice(self.index, delta, None, None)]))
+
     def usage(self, usage: schemas.UsageInfo) -> bytes:
         """The `stream_options.include_usage` chunk: empty choices, the request's usage."""
         if self.kind == "chat":
