@@ -143,6 +143,7 @@ def test_tool_call_is_parsed_by_the_sdk(client: Any, model: str, choice: Any) ->
 def test_streamed_tool_call(client: Any, model: str) -> None:
     tools = [openai.pydantic_function_tool(GetWeather)]
     calls: dict[int, dict[str, str]] = {}
+    parts = 0
     finish = None
     for ch in client.chat.completions.create(model=model, messages=MESSAGES, tools=tools,
                                              tool_choice="required", stream=True, seed=6,
@@ -153,10 +154,34 @@ def test_streamed_tool_call(client: Any, model: str) -> None:
                 entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
+                parts += bool(tc.function.arguments)
             finish = c.finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
-    assert calls[0]["name"] == "GetWeather"
+    assert calls[0]["name"] == "GetWeather" and parts > 1  # the arguments came as made
     GetWeather.model_validate_json(calls[0]["arguments"])
+
+
+def test_sdk_stream_helper_assembles_the_tool_call(client: Any, model: str) -> None:
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(Book)]
+    with client.chat.completions.stream(model=model, messages=MESSAGES, tools=tools,
+                                        tool_choice="required", seed=8, **SAMPLED) as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in kinds
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert isinstance(call.function.parsed_arguments, (GetWeather, Book))
+
+
+def test_a_streamed_tool_call_cut_short_keeps_what_it_made(client: Any, model: str) -> None:
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=40, stream=True, seed=1, temperature=1.0,
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required"))
+    deltas = [tc for ch in chunks for c in ch.choices for tc in c.delta.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert deltas[0].function.name == "GetWeather" and deltas[0].id.startswith("call_")
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert args.startswith("{") and '{"name": "GetWeather", "arguments": ' not in args
 
 
 def test_a_tool_call_cut_short_is_content(client: Any, model: str) -> None:

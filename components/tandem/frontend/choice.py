@@ -22,7 +22,7 @@ from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.detokenizer import Detokenizer
 from tandem.frontend.http import error_of
-from tandem.frontend.structured import Constraint, parse_tool_call
+from tandem.frontend.structured import Constraint, call_head, parse_tool_call
 from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
 
 
@@ -243,18 +243,23 @@ class RichChoiceState(ChoiceState):
 
 class ToolCallState(ChoiceState):
     """A choice whose output is a tool call, `{"name": ..., "arguments": {...}}` as its grammar
-    makes it: held whole (a stream sends its role chunk, then nothing until the end), it becomes
-    the message's `tool_calls` (streamed as one `delta.tool_calls` chunk), finish_reason
-    "tool_calls". An output cut short (max_tokens, a stop string) is no call: it goes out as
-    content with its own finish reason."""
+    makes it, which becomes the message's `tool_calls`, finish_reason "tool_calls". Streamed: the
+    role chunk, then once the name is written a `delta.tool_calls` chunk with the call's id and
+    name, then its arguments' JSON as it comes (the last character held back: it may be the
+    wrapper's closing brace). An output cut short (max_tokens, a stop string) is no call: before
+    its name it goes out as content, after it as the arguments so far; either way with its own
+    finish reason."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("calls", "call_id", "args_at", "args_sent")
 
     def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None) -> None:
         super().__init__(detok, None, 1, False)
         self.head = enc.role() if enc is not None else b""
         self.calls: list[schemas.ToolCall] | None = None
         self.enc = enc
+        self.call_id = api.new_id("call_")
+        self.args_at = -1  # where the arguments start in the text, once the name was streamed
+        self.args_sent = 0  # characters of the arguments streamed
 
     def feed(self, d: Delta) -> bytes:
         enc, self.enc = self.enc, None  # (collect only)
@@ -262,21 +267,36 @@ class ToolCallState(ChoiceState):
             ChoiceState.feed(self, d)
         finally:
             self.enc = enc
-        if self.finish is None:
-            out, self.head = self.head, b""
-            return out
-        call = parse_tool_call(self.text) if self.finish == "stop" else None
-        if call is not None:
-            self.calls = [schemas.ToolCall(api.new_id("call_"), "function",
-                                           schemas.FunctionCall(*call))]
-            self.finish = "tool_calls"
+        out, self.head = self.head, b""
+        text = self.text
+        if self.finish is not None:
+            call = parse_tool_call(text) if self.finish == "stop" else None
+            if call is not None:
+                self.calls = [schemas.ToolCall(self.call_id, "function",
+                                               schemas.FunctionCall(*call))]
+                self.finish = "tool_calls"
+            if enc is None:
+                return b""
+            if self.args_at < 0 and call is None:  # (no call began: the text is content)
+                return out + (enc.text(text, self.finish) if text else enc.finish(self.finish))
+            if self.args_at < 0:
+                out += enc.tool_call("", self.call_id, call[0])  # type: ignore[index]
+            rest = call[1][self.args_sent:] if call is not None else \
+                text[self.args_at + self.args_sent:]
+            return out + (enc.tool_call(rest) if rest else b"") + enc.finish(self.finish)
         if enc is None:
             return b""
-        out, self.head = self.head, b""
-        if self.calls is None:
-            return out + (enc.text(self.text, self.finish) if self.text else
-                          enc.finish(self.finish))
-        return out + enc.tool_calls(self.calls) + enc.finish(self.finish)
+        if self.args_at < 0:
+            head = call_head(text)
+            if head is None:
+                return out
+            self.args_at = head[1]
+            out += enc.tool_call("", self.call_id, head[0])
+        new = text[self.args_at + self.args_sent:-1]
+        if new:
+            self.args_sent += len(new)
+            out += enc.tool_call(new)
+        return out
 
 
 def state_of(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,

@@ -164,13 +164,19 @@ class ToolCall(msgspec.Struct):
     function: FunctionCall
 
 
-class ToolCallDelta(msgspec.Struct):
-    """A streamed tool call (`delta.tool_calls`): tandem sends each whole, in one chunk."""
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # the next part of the arguments' JSON
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A part of a streamed tool call (`delta.tool_calls`): the first carries its id, type and
+    name; the rest, the next part of its arguments."""
 
     index: int
-    id: str
-    type: str
-    function: FunctionCall
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ResponseMessage(msgspec.Struct, omit_defaults=True):

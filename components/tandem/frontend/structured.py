@@ -160,14 +160,31 @@ def _tool(tool: Any, param: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
-def parse_tool_call(text: str) -> tuple[str, str] | None:
-    """A tool call's output as (name, arguments as a JSON string), or None when it is not one
-    (cut short by max_tokens or a stop string)."""
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def call_head(text: str) -> tuple[str, int] | None:
+    """A tool call's name and where its arguments start in its output, once the output has got
+    that far, their first character included (its grammar writes the name first), else None."""
+    m = CALL_HEAD.match(text)
+    if m is None:
+        return None
     try:
-        value = json.loads(text)
+        return json.loads(m.group(1)), m.end()
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
-            or "arguments" not in value:
+
+
+def parse_tool_call(text: str) -> tuple[str, str] | None:
+    """A whole tool call's output as (name, its arguments' JSON as the model wrote it), or None
+    when it is not one (cut short by max_tokens or a stop string)."""
+    head = call_head(text)
+    body = text.rstrip()
+    if head is None or not body.endswith("}"):
         return None
-    return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    args = body[head[1]:-1].rstrip()
+    try:
+        json.loads(args)
+    except ValueError:
+        return None
+    return head[0], args
