@@ -45,17 +45,12 @@ SAMPLED: dict[str, Any] = {"temperature": 1.0, "max_tokens": 300}
 @pytest.fixture(scope="module", params=["agg", "1p1d"])
 def cluster(request: pytest.FixtureRequest, tiny_model: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.cluster import Cluster, free_port
+    from tests.cluster import Cluster, reference_workers
 
-    roles = ["agg"] if request.param == "agg" else ["prefill", "decode"]
     if request.param == "1p1d":
         pytest.importorskip("nixl")
-    c = Cluster(tiny_model, str(tmp_path_factory.mktemp(request.param)))
-    for role in roles:
-        extra = ["--role", role]
-        if role == "prefill":
-            extra += ["--bootstrap-port", str(free_port())]
-        c.add_worker("reference", extra)
+    c = reference_workers(Cluster(tiny_model, str(tmp_path_factory.mktemp(request.param))),
+                          request.param)
     try:
         c.start_frontend()
         yield c

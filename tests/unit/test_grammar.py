@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from tandem.engines.base import EngineRequest, EngineRequestError
 from tandem.engines.mock import MockEngine
-from tandem.engines.reference import ReferenceEngine, write_tiny_model
+from tandem.engines.reference import ReferenceEngine
 from tandem.runtime.wire import SamplingParams
 from tests.conformance.harness import Recorder, generate, wait_idle
 
@@ -34,10 +34,8 @@ PERSON = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    write_tiny_model(path, seed=0)
-    return path
+def model_dir(tiny_model: str) -> Path:
+    return Path(tiny_model)
 
 
 @pytest.fixture(scope="module")

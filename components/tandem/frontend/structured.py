@@ -66,7 +66,6 @@ def _dump(schema: Any, param: str) -> str:
 def constraint(req: schemas.GenerateRequest) -> Constraint | None:
     """The request's constraint (None: free text), or a 400 naming the field."""
     rf = req.response_format
-    tools = req.tools if isinstance(req, schemas.ChatCompletionRequest) else None
     out: Constraint | None = None
     if rf is not None and rf.type != "text":
         out = Constraint(json_schema=_response_schema(rf))
@@ -87,8 +86,6 @@ def constraint(req: schemas.GenerateRequest) -> Constraint | None:
             if req.logprobs:
                 raise _bad("logprobs cannot be combined with a tool call.", "logprobs")
             return call
-    elif tools:
-        raise _bad("tools are only for chat completions.", "tools")
     return out
 
 
