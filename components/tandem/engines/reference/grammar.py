@@ -127,8 +127,9 @@ class Grammars:
         bitmask = xgr.allocate_token_bitmask(batch, vocab)  # (every token allowed)
         for i, c in rows:
             c.matcher.fill_next_token_bitmask(bitmask, i)
-            if c.json:
-                bitmask[i] &= self._no_control
+        json_rows = [i for i, c in rows if c.json]
+        if json_rows:
+            bitmask[json_rows] &= self._no_control
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
