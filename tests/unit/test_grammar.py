@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from tandem.engines.base import EngineRequest, EngineRequestError
+from tandem.engines.base import EngineError, EngineRequest, EngineRequestError
 from tandem.engines.mock import MockEngine
 from tandem.engines.reference import ReferenceEngine
 from tandem.runtime.wire import SamplingParams
@@ -110,21 +110,57 @@ async def test_a_resumed_request_goes_on_within_its_grammar(engine: ReferenceEng
     jsonschema.validate(json.loads(tok.decode(whole[:-1])), PERSON)
 
 
+async def refusal(engine: ReferenceEngine, req: EngineRequest) -> EngineError:
+    """How the engine refuses a request: at submit (what it checks there), or as its one output
+    (what shows when its grammar compiles, off the loop)."""
+    rec = Recorder(engine)
+    run = rec.expect(req.rid)
+    try:
+        engine.submit(req, rec)
+    except EngineRequestError as e:
+        return e
+    await asyncio.wait_for(run.done.wait(), 30)
+    assert run.finish == "error" and run.ids == [] and run.error is not None, run
+    return run.error
+
+
 async def test_a_first_token_from_elsewhere_must_follow_the_grammar(engine: ReferenceEngine,
                                                                     tok: Tokenizer) -> None:
     """A resumed completion (or a PD prefill's first token) that breaks the grammar is refused,
-    never continued as if it were valid."""
+    never continued as if it were valid; from the compile cache too."""
     bad = tok.encode("zz", add_special_tokens=False).ids
-    with pytest.raises(EngineRequestError) as e:
-        engine.submit(EngineRequest("bad", PROMPT + bad, SamplingParams(
-            json_schema=json.dumps(PERSON)), resume_offset=len(bad)), Recorder(engine))
-    assert e.value.param == "resume_offset"
+    for _ in range(2):
+        e = await refusal(engine, EngineRequest("bad", PROMPT + bad, SamplingParams(
+            json_schema=json.dumps(PERSON)), resume_offset=len(bad)))
+        assert isinstance(e, EngineRequestError) and e.param == "resume_offset"
+
+
+SLOW = json.dumps({"type": "string", "pattern": "(a|aa)*b{1,5000}"})  # about 1.3 s to compile
+
+
+async def test_a_compile_past_its_deadline_fails_its_request_alone(engine: ReferenceEngine,
+                                                                   tok: Tokenizer) -> None:
+    """A grammar compiles off the event loop, within a deadline; a request cancelled while its
+    grammar compiles gets nothing and holds nothing; the others run meanwhile."""
+    engine._compiles.deadline_s = 0.05
+    rec = Recorder(engine)
+    gone = rec.submit(engine, "gone", PROMPT, SamplingParams(json_schema=SLOW))
+    assert gone.handle is not None
+    gone.handle.cancel()
+    e = await refusal(engine, EngineRequest("late", PROMPT, SamplingParams(json_schema=SLOW + " ")))
+    assert e.param == "json_schema" and "did not compile within 0.05s" in str(e)
+    free = await generate(engine, "free", PROMPT, max_tokens=8, temperature=0.0)
+    assert free.finish == "length"  # (the loop and the steps went on meanwhile)
+    engine._compiles.deadline_s = 30.0
+    out = await text(engine, tok, "next", regex="[ab]{4}", temperature=0.0)  # queued behind them
+    assert re.fullmatch("[ab]{4}", out) and gone.outputs == []
 
 
 @pytest.mark.parametrize("sampling, param", [
     ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
     ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": '{"type": "string", "pattern": "(a|b)*c{1,1000}"}'}, "json_schema"),
+    ({"json_schema": '{"$ref": "#/$defs/nope"}'}, "json_schema"),
+    ({"json_schema": '{"type": "integer", "minimum": 5, "maximum": 1}'}, "json_schema"),
     ({"regex": "(unclosed"}, "regex"),
     ({"json_schema": "{}", "regex": "a"}, "regex"),
     ({"json_schema": "x" * 70000}, "json_schema"),
@@ -134,9 +170,8 @@ async def test_a_first_token_from_elsewhere_must_follow_the_grammar(engine: Refe
 async def test_what_cannot_be_honoured_is_refused_naming_it(engine: ReferenceEngine,
                                                            sampling: dict[str, Any],
                                                            param: str) -> None:
-    with pytest.raises(EngineRequestError) as e:
-        engine.submit(EngineRequest("bad", PROMPT, SamplingParams(**sampling)), Recorder(engine))
-    assert e.value.param == param, e.value
+    e = await refusal(engine, EngineRequest("bad", PROMPT, SamplingParams(**sampling)))
+    assert isinstance(e, EngineRequestError) and e.param == param, e
     assert engine.load().running == engine.load().waiting == 0
 
 

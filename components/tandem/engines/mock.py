@@ -40,6 +40,7 @@ from tandem.engines.base import EngineRequest, ModelSpec
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
 from tandem.engines.scheduler import Batch, Sequence
+from tandem.engines.grammars import refuse
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
 from tandem.runtime.wire import OutputMode, TokenLogprobs
@@ -120,7 +121,6 @@ def spec_from_config(model_dir: str, cfg: dict[str, Any]) -> ModelSpec:
 
 class MockEngine(Stepper):
     name = "mock"
-    no_grammar_why = ": it produces no real text"
 
     def __init__(self, model_dir: str, *, page_size: int = WorkerConfig.page_size,
                  num_pages: int = WorkerConfig.num_pages, max_batch: int = WorkerConfig.max_batch,
@@ -146,6 +146,9 @@ class MockEngine(Stepper):
         seq = super().new_sequence(req, pd)
         seq.memo = mock_seed(seq.origin_prompt)
         return seq
+
+    def constraint(self, req: EngineRequest) -> None:
+        refuse(req.sampling, self.name, ": it produces no real text")
 
     async def run(self, batch: Batch) -> list[int]:
         num_prompt_tokens = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill)

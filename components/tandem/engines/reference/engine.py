@@ -34,6 +34,7 @@ import torch
 
 from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, ModelSpec
+from tandem.engines.grammars import Deferred
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import grammar_param
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
@@ -44,7 +45,7 @@ from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
 from tandem.runtime.errors import CheckpointError
-from tandem.runtime.wire import OutputMode, SamplingParams
+from tandem.runtime.wire import OutputMode
 
 DEFAULT_KV_BYTES = 1 << 30  # num_pages=0 sizes the cache for max_batch full contexts, within this
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # prompt tokens prefilled in one step (at least one prompt)
@@ -130,10 +131,10 @@ class ReferenceEngine(Stepper):
         assert self._grammars is not None  # (started: submit refuses before)
         return self._grammars.result()
 
-    def constraint(self, p: SamplingParams) -> Constraint | None:
-        if grammar_param(p) is None:
+    def constraint(self, req: EngineRequest) -> Constraint | Deferred | None:
+        if grammar_param(req.sampling) is None:
             return None
-        return self.grammars.constraint(p, self.name)
+        return self.grammars.constraint(req, self.name)
 
     def compute(self, batch: Batch) -> list[int]:
         hook = self.compute_hook

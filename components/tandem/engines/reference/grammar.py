@@ -2,15 +2,16 @@
 xgrammar, the grammar library SGLang and vLLM use; it runs on a CPU.
 
 `Grammars` is the engine's: the model's tokenizer as xgrammar sees it (byte-level vocabulary, its
-special tokens marked, the model's EOS ids as the stop tokens) and one compiler, whose cache makes a
-schema that requests repeat compile once. `Grammars.constraint` compiles a request's grammar at
-submit, where a bad one is refused (an EngineRequestError naming the field: the frontend's 400);
-what it is given is bounded: a grammar is at most MAX_GRAMMAR_CHARS characters
-(tandem.runtime.sampling, checked before), and JSON is compiled compact (no free whitespace, so a
-model cannot pad its output forever). JSON never needs a control character (below 0x20) raw, and
-xgrammar 0.2.8's rule for a string with a maxLength lets them through, which JSON parsers refuse:
-a JSON request's mask also drops every token that holds one (each byte has a token of its own, so
-no text becomes impossible).
+special tokens marked, the model's EOS ids as the stop tokens), one compiler, and the grammars it
+compiled (up to CACHE_BYTES: a schema that requests repeat compiles once). `Grammars.constraint`
+takes a request's grammar at submit: ready from the cache, or compiled off the event loop within
+a deadline (tandem.engines.grammars); a bad one fails its request (an EngineRequestError naming
+the field: the frontend's 400). What it is given is bounded: a grammar is at most
+MAX_GRAMMAR_CHARS characters (tandem.runtime.sampling, checked before), and JSON is compiled
+compact (no free whitespace, so a model cannot pad its output forever). JSON never needs a control
+character (below 0x20) raw, and xgrammar 0.2.8's rule for a string with a maxLength lets them
+through, which JSON parsers refuse: a JSON request's mask also drops every token that holds one
+(each byte has a token of its own, so no text becomes impossible).
 
 `Constraint` is one request's state, a matcher that has accepted every completion token of the
 request, however it got it: the engine's own steps (the one postprocess, tandem.engines.outputs),
@@ -26,19 +27,19 @@ are refused with a grammar.
 from __future__ import annotations
 
 import json
-import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem.engines.base import EngineRequest
+from tandem.engines.grammars import Deferred
 from tandem.engines.sampling import grammar_param
 from tandem.runtime.errors import EngineRequestError
-from tandem.runtime.wire import SamplingParams
-
-log = logging.getLogger("tandem.engine")
 
 JSON_ANY_WHITESPACE = False  # compact JSON: whitespace is never free (see the module docstring)
+CACHE_BYTES = 64 << 20  # compiled grammars kept for the requests that repeat them
 
 
 class Constraint:
@@ -69,31 +70,26 @@ class Grammars:
         self.why_not = ""  # why this model cannot constrain its output ("" when it can)
         self._xgr: Any = None
         self._compiler: Any = None
+        self._cache: dict[tuple[str, Any], Any] = {}  # compiled grammars, oldest first
+        self._cached = 0  # their bytes
         try:
             import xgrammar
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        except (ImportError, OSError, ValueError, RuntimeError) as e:
-            self.why_not = f"the model's tokenizer cannot be read for grammars: {e}"
+        except ImportError as e:
+            self.why_not = f"xgrammar is not installed ({e}): install tandem[reference]"
             return
-        vocab: list[str] = [""] * vocab_size
-        for text, i in tok.get_vocab(with_added_tokens=True).items():
-            if 0 <= i < vocab_size:
-                vocab[i] = text
-        for i, added in tok.get_added_tokens_decoder().items():
-            if added.special and 0 <= i < vocab_size:
-                vocab[i] = ""  # (xgrammar: an empty token is special, never part of the text)
-        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL,
-                                      vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        try:
+            self._compiler, self._no_control = _compiler(xgrammar, model_dir, vocab_size,
+                                                         stop_ids)
+        except Exception as e:  # (a tokenizer it cannot read: that model has no grammars)
+            self.why_not = f"the model's tokenizer cannot be used for grammars: {e}"
+            return
         self._xgr = xgrammar
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        plain = [not any(b < 0x20 for b in t) for t in info.decoded_vocab]
-        self._no_control = _packed(plain)
 
-    def constraint(self, p: SamplingParams, engine: str) -> Constraint | None:
-        """The request's constraint (None without a grammar), or EngineRequestError naming the
-        field: a grammar that does not compile, a combination it cannot honour."""
+    def constraint(self, req: EngineRequest, engine: str) -> Constraint | Deferred | None:
+        """The request's constraint: None without a grammar, ready when its grammar was compiled
+        before (the cache), else Deferred (compiled off the loop: tandem.engines.grammars); or
+        EngineRequestError naming the field for a combination it cannot honour."""
+        p = req.sampling
         param = grammar_param(p)
         if param is None:
             return None
@@ -107,17 +103,38 @@ class Grammars:
             raise EngineRequestError("min_tokens cannot be combined with constrained output (the "
                                      "grammar decides where the completion ends)",
                                      param="min_tokens")
+        key = (param, p.json_schema if p.json_schema is not None else p.regex)
+        n = req.resume_offset
+        resume = list(req.prompt_ids[len(req.prompt_ids) - n:]) if n else []
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            return self._matcher(compiled, param, resume)
+        return Deferred(partial(self._compiled, key, resume), param)
+
+    def _compiled(self, key: tuple[str, Any], resume: list[int]) -> Constraint:
+        """(On the compile thread.) Compile, remember, and make the request's matcher."""
+        param, text = key
         try:
-            if p.json_schema is not None:
-                json.loads(p.json_schema)  # (a clear message for JSON that does not parse)
+            if param == "json_schema":
+                json.loads(text)  # (a clear message for JSON that does not parse)
                 compiled = self._compiler.compile_json_schema(
-                    p.json_schema, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
+                    text, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
             else:
-                compiled = self._compiler.compile_regex(p.regex)
+                compiled = self._compiler.compile_regex(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise EngineRequestError(f"{param} cannot be used as a grammar: {_first_line(e)}",
                                      param=param) from None
-        return Constraint(self._xgr.GrammarMatcher(compiled), p.json_schema is not None)
+        cache = self._cache
+        cache[key] = compiled
+        self._cached += compiled.memory_size_bytes
+        while self._cached > CACHE_BYTES and len(cache) > 1:  # (the oldest first)
+            self._cached -= cache.pop(next(iter(cache))).memory_size_bytes
+        return self._matcher(compiled, param, resume)
+
+    def _matcher(self, compiled: Any, param: str, resume: list[int]) -> Constraint:
+        c = Constraint(self._xgr.GrammarMatcher(compiled), param == "json_schema")
+        c.resume(resume)
+        return c
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
         """Set the logits of every token the grammar does not allow next to -inf, for each
@@ -134,6 +151,31 @@ class Grammars:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
                                         indices=[i for i, _ in rows])
+
+
+def _compiler(xgrammar: Any, model_dir: Path, vocab_size: int, stop_ids: tuple[int, ...]
+              ) -> tuple[Any, torch.Tensor]:
+    """xgrammar's compiler over the model's tokenizer.json (byte-level BPE: its special tokens
+    marked, which xgrammar's own reading of a tokenizer.json misses, its EOS ids the stop tokens),
+    and the bitmask of the tokens with no control character."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    decoder = (json.loads(tok.to_str()).get("decoder") or {}).get("type")
+    if decoder != "ByteLevel":
+        raise ValueError(f"its decoder is {decoder}; grammars take byte-level BPE tokenizers "
+                         f"(the tiny model's, Llama 3's)")
+    vocab: list[str] = [""] * vocab_size
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < vocab_size:
+            vocab[i] = text
+    for i, added in tok.get_added_tokens_decoder().items():
+        if added.special and 0 <= i < vocab_size:
+            vocab[i] = ""  # (xgrammar: an empty token is special, never part of the text)
+    info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                                  stop_token_ids=list(stop_ids))
+    plain = [not any(b < 0x20 for b in t) for t in info.decoded_vocab]
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False), _packed(plain)
 
 
 def _packed(allowed: list[bool]) -> torch.Tensor:
