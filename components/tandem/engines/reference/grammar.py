@@ -68,6 +68,7 @@ class Grammars:
 
     def __init__(self, model_dir: Path, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
         self.why_not = ""  # why this model cannot constrain its output ("" when it can)
+        self.vocab_size = vocab_size
         self._xgr: Any = None
         self._compiler: Any = None
         self._cache: dict[tuple[str, Any], Any] = {}  # compiled grammars, oldest first
