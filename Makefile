@@ -20,7 +20,7 @@ $(BIN)/.ready: pyproject.toml Makefile tests/sglang/requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,perf]'
+	$(BIN)/pip install -q -e '.[reference,test,perf]'
 	$(BIN)/pip install -q --no-deps $(NIXL) || echo "warning: NIXL did not install; PD transfer tests will be skipped"
 	$(BIN)/pip install -q --no-deps -r tests/sglang/requirements.txt || echo "warning: sglang did not install; its real-package tests will be skipped"
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'unexpected torch ' + v)"

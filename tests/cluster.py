@@ -16,7 +16,7 @@ from typing import Any
 from tandem.launcher import Proc, free_port, get_json, wait_ready
 from tandem.launcher import spawn as _spawn
 
-__all__ = ["ENV", "Cluster", "Proc", "free_port", "spawn"]
+__all__ = ["ENV", "Cluster", "Proc", "free_port", "reference_workers", "spawn"]
 
 # UCX on loopback (TCP, CMA) unless the caller chose otherwise (on a GPU: tests/gpu/run_on_device.py
 # adds cuda_ipc and cuda_copy, which KV in VRAM needs).
@@ -94,3 +94,15 @@ class Cluster:
             self.frontend.stop()
         for w in self.workers:
             w.stop()
+
+
+def reference_workers(c: Cluster, shape: str) -> Cluster:
+    """Reference-engine workers of a shape: "agg" (one) or "1p1d" (a prefill with its bootstrap
+    port, and a decode worker)."""
+    roles = ["agg"] if shape == "agg" else ["prefill", "decode"]
+    for role in roles:
+        extra = ["--role", role]
+        if role == "prefill":
+            extra += ["--bootstrap-port", str(free_port())]
+        c.add_worker("reference", extra)
+    return c

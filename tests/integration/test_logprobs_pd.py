@@ -21,19 +21,14 @@ def _stream(url: str, **kw: Any) -> list[tuple[str, float, list[tuple[str, float
 
 
 def test_agg_and_1p1d_stream_identical_logprobs(tiny_model, tmp_path):
-    from tests.cluster import Cluster, free_port
+    from tests.cluster import Cluster, reference_workers
 
     kw: dict[str, Any] = dict(messages=[{"role": "user", "content": "The sea is"}],
                               max_tokens=16, temperature=0, logprobs=True, top_logprobs=4)
     got = {}
-    for shape, roles in (("agg", ["agg"]), ("pd", ["prefill", "decode"])):
+    for shape in ("agg", "1p1d"):
         (tmp_path / shape).mkdir()
-        c = Cluster(tiny_model, str(tmp_path / shape))
-        for role in roles:
-            extra = ["--role", role]
-            if role == "prefill":
-                extra += ["--bootstrap-port", str(free_port())]
-            c.add_worker("reference", extra)
+        c = reference_workers(Cluster(tiny_model, str(tmp_path / shape)), shape)
         try:
             c.start_frontend()
             got[shape] = _stream(c.url, **kw)
@@ -41,4 +36,4 @@ def test_agg_and_1p1d_stream_identical_logprobs(tiny_model, tmp_path):
         finally:
             c.stop()
     assert len(got["agg"]) == 16
-    assert got["pd"] == got["agg"]
+    assert got["1p1d"] == got["agg"]

@@ -134,6 +134,39 @@ def test_every_sampling_dict_is_accepted_by_sglang(sp: SamplingParams) -> None:
     assert (params.json_schema, params.regex) == (sp.json_schema, sp.regex)
 
 
+REQUESTS = [  # what an OpenAI request's constraint becomes, from the frontend to SGLang
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+    {"regex": "(yes|no) [0-9]+"},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+               {"type": "function", "function": {"name": "g"}}], "tool_choice": "required"},
+]
+
+
+@pytest.mark.parametrize("fields", REQUESTS)
+def test_response_format_regex_and_tools_reach_sglangs_own_parameters(fields: dict) -> None:
+    """`--engine sglang`: a request's response_format, regex or tool call becomes SGLang's own
+    `json_schema` or `regex` sampling parameter, which SGLang's SamplingParams takes as is."""
+    import json
+
+    import msgspec
+
+    from tandem.frontend import schemas, validate
+
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields},
+                          schemas.ChatCompletionRequest)
+    opts = validate.options(req)
+    sp = validate.sampling_params(req, 16, 4, 1024, None, opts.constraint)
+    params = sampling_mod.SamplingParams(**sampling_dict(sp, deterministic=False))
+    params.verify(1000)
+    params.normalize(None)
+    assert (params.json_schema, params.regex) == (sp.json_schema, sp.regex)
+    assert (params.json_schema or params.regex) is not None
+    if params.json_schema is not None:
+        assert isinstance(json.loads(params.json_schema), dict)
+
+
 def test_sglang_refuses_what_tandem_checks_before_it() -> None:
     """tandem's own checks (check_sampling) refuse what SGLang's verify would: the same ranges."""
     for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"min_p": 1.5},
@@ -146,8 +179,7 @@ def test_the_adapter_refuses_what_it_cannot_map_naming_the_field() -> None:
     from tandem.runtime.errors import EngineRequestError
 
     for sp, field in ((SamplingParams(logprobs=0), "logprobs"),
-                      (SamplingParams(repetition_penalty=2.5), "repetition_penalty"),
-                      (SamplingParams(json_schema="{}", regex="a"), "regex")):
+                      (SamplingParams(repetition_penalty=2.5), "repetition_penalty")):
         with pytest.raises(EngineRequestError) as e:
             sampling_dict(sp, deterministic=True)
         assert e.value.param == field

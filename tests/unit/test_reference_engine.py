@@ -449,6 +449,3 @@ async def test_logit_bias_outside_the_vocabulary_is_refused(engine: ReferenceEng
         with pytest.raises(EngineRequestError) as e:
             start(engine, "bad", PROMPT, logit_bias=bias)
         assert e.value.param == "logit_bias"
-    with pytest.raises(EngineRequestError) as e:
-        start(engine, "bad", PROMPT, json_schema="{}")
-    assert e.value.param == "json_schema"

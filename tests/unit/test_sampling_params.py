@@ -11,6 +11,7 @@ from tandem.engines.base import ModelSpec
 from tandem.engines.sampling import check_request, check_sampling
 from tandem.runtime import wire as W
 from tandem.runtime.errors import EngineRequestError
+from tandem.runtime.sampling import MAX_GRAMMAR_CHARS
 
 FULL = W.SamplingParams(max_tokens=7, temperature=0.5, presence_penalty=1.5,
                         frequency_penalty=-0.5, repetition_penalty=1.3,
@@ -107,12 +108,21 @@ def test_edges_are_accepted() -> None:
     check_sampling(W.SamplingParams(logprobs=0))
 
 
-def test_own_engines_refuse_constrained_output_and_uncarried_pd_logprobs() -> None:
+def test_grammars_are_bounded_and_one_at_a_time() -> None:
+    """Every place that checks (the frontend, the worker, every engine) bounds a grammar; which
+    engine constrains its output is the engine's own (tests/unit/test_grammar.py)."""
     spec = ModelSpec("m", 64, vocab_size=100)
-    for field, value in (("json_schema", "{}"), ("regex", "a+")):
+    check_request([1], W.SamplingParams(json_schema="{}"), spec)
+    for sp, field in ((W.SamplingParams(json_schema="{}", regex="a"), "regex"),
+                      (W.SamplingParams(json_schema="x" * (MAX_GRAMMAR_CHARS + 1)), "json_schema"),
+                      (W.SamplingParams(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "regex")):
         with pytest.raises(EngineRequestError) as e:
-            check_request([1], W.SamplingParams(**{field: value}), spec)  # type: ignore[arg-type]
+            check_request([1], sp, spec)
         assert e.value.param == field
+
+
+def test_own_engines_refuse_uncarried_pd_logprobs() -> None:
+    spec = ModelSpec("m", 64, vocab_size=100)
     with pytest.raises(EngineRequestError) as e:
         check_request([1], W.SamplingParams(logprobs=0), spec, carries_logprobs=False)
     assert e.value.param == "logprobs"

@@ -40,6 +40,7 @@ from tandem.engines.base import EngineRequest, ModelSpec
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
 from tandem.engines.scheduler import Batch, Sequence
+from tandem.engines.grammars import refuse
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
 from tandem.runtime.wire import OutputMode, TokenLogprobs
@@ -145,6 +146,9 @@ class MockEngine(Stepper):
         seq = super().new_sequence(req, pd)
         seq.memo = mock_seed(seq.origin_prompt)
         return seq
+
+    def constraint(self, req: EngineRequest) -> None:
+        refuse(req.sampling, self.name, ": it produces no real text")
 
     async def run(self, batch: Batch) -> list[int]:
         num_prompt_tokens = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill)

@@ -109,6 +109,12 @@ def postprocess(name: str, sched: Scheduler, seqs: list[Sequence], tokens: list[
             sched.to_sending(seq)
             step.computed.append((seq, token, lps[i] if lps is not None else None))
             continue
+        if seq.grammar is not None and not seq.grammar.accept(token):  # (its other side's token)
+            sched.finish(seq, "error")
+            seq.done = True
+            items.append((seq, ending(seq, "error", EngineError(
+                f"{name} engine: token {token} does not follow the grammar of {seq.rid}"))))
+            continue
         new_lps: list[TokenLogprobs] | None = None
         if seq.logprobs is not None:  # (appended before the output can be read)
             lp = lps[i] if lps is not None else None

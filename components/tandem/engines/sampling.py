@@ -2,8 +2,10 @@
 of tandem.runtime.sampling) and what tandem's own engines, mock and reference, accept in a request
 (`check_request`, once at submit); and the facts about the parameters the step needs.
 
-Constrained output (`json_schema`, `regex`) needs a grammar engine: these engines refuse it,
-naming the field. Every refusal is an EngineRequestError naming its field (the frontend's 400).
+Constrained output (`json_schema`, `regex`: `grammar_param`) is each engine's own: the reference
+engine compiles it (tandem.engines.reference.grammar), the mock refuses it naming itself
+(tandem.engines.stepper `Stepper.constraint`). Every refusal is an EngineRequestError naming its
+field (the frontend's 400).
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ def check_request(prompt: list[int], p: SamplingParams, spec: ModelSpec,
         raise EngineRequestError(f"prompt has {len(prompt)} tokens; this model's context is "
                                  f"{spec.max_context} tokens")
     check_sampling(p, spec.vocab_size)
-    for name in ("json_schema", "regex"):
-        if getattr(p, name) is not None:
-            raise _refuse(f"{name} (constrained output) is not supported by this engine; "
-                          "the sglang engine supports it", name)
     if p.logprobs is not None and not carries_logprobs:
         raise _refuse("logprobs: this worker's KV handoff cannot carry the first token's "
                       "logprobs", "logprobs")
+
+
+def grammar_param(p: SamplingParams) -> str | None:
+    """The field that carries the request's grammar (constrained output), if it has one."""
+    if p.json_schema is not None:
+        return "json_schema"
+    return "regex" if p.regex is not None else None
 
 
 _STOPS: dict[tuple[tuple[int, ...], bool, tuple[int, ...]], frozenset[int]] = {}

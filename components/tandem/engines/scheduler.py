@@ -37,7 +37,7 @@ from typing import Any
 
 from tandem.engines.pages import PagePool
 from tandem.engines.prefix import ROOT, page_keys
-from tandem.runtime.wire import Bootstrap, FinishReason, SamplingParams, TokenLogprobs
+from tandem.runtime.wire import Bootstrap, FinishReason, Load, SamplingParams, TokenLogprobs
 
 
 NEVER = 1 << 62  # `publish_at` of a sequence whose pages are not cached
@@ -82,6 +82,7 @@ class Sequence:
     published: int = 0  # leading pages cached (or found cached) so far
     cached_tokens: int = 0  # prompt tokens it did not compute (usage.cached_tokens)
     skip: int = 0  # decode: leading prompt pages it had cached (not written by the prefill side)
+    grammar: Any = None  # constrained output: what its tokens must follow (reference/grammar.py)
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -150,6 +151,14 @@ class Scheduler:
     def num_running(self) -> int:
         """Admitted and not finished: computing, fetching its K/V, or sending it."""
         return len(self.running) + len(self.fetching) + len(self.sending)
+
+    def load(self) -> Load:
+        """What runs and waits, and the pool's pages and prefix cache counts (the engine's load)."""
+        pool = self.pool
+        return Load(running=self.num_running, waiting=self.num_waiting,
+                    pages_free=pool.num_available, pages_total=pool.num_pages,
+                    pages_reserved=pool.num_reserved, pages_cached=pool.num_cached,
+                    cache_queries=pool.queries, cache_hits=pool.hits)
 
     def all(self) -> list[Sequence]:
         return [*self.waiting, *self.running.values(), *self.fetching.values(),

@@ -42,8 +42,6 @@ def sampling_dict(sp: SamplingParams, *, deterministic: bool) -> dict[str, Any]:
     if sp.repetition_penalty > SGLANG_MAX_REPETITION_PENALTY:
         raise EngineRequestError("repetition_penalty must be in (0, 2] with the sglang engine",
                                  param="repetition_penalty")
-    if sp.json_schema is not None and sp.regex is not None:
-        raise EngineRequestError("json_schema and regex cannot both be set", param="regex")
     out: dict[str, Any] = {
         "max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
         "top_k": sp.top_k if sp.top_k > 0 else SGLANG_TOP_K_DISABLED, "ignore_eos": sp.ignore_eos,

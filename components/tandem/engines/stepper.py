@@ -1,22 +1,19 @@
 """Stepper: the engine loop shared by the mock and the reference engine (ARCHITECTURE.md, "Engine
-contract"): schedule -> compute -> postprocess, over the Scheduler and PagePool of
-tandem.engines.scheduler. Computing a step is the one engine-specific hook (the mock sleeps for
-its timing model in `run`; the reference engine runs torch in `compute`); everything else,
-admission, finishing, cancelling, page accounting, the PD handoff (tandem.engines.handoff) and output
-delivery, is written here once.
+contract"): schedule -> compute -> postprocess, over tandem.engines.scheduler. Computing a step
+(the mock's `run`, the reference engine's `compute`) and a request's grammar (`constraint`) are
+the engine-specific hooks; admission, finishing, cancelling, page accounting, the PD handoff
+(tandem.engines.handoff), grammar compiles (tandem.engines.grammars) and output delivery are here.
 
 Two drivers of the same step. On the loop (`run`, the mock): the step is a task that awaits `run`.
 On a step thread (`compute`, the reference engine): the thread schedules, computes and
 postprocesses, and hands the step to the loop with ONE `call_soon_threadsafe`, which delivers it
 with one `on_step` per sink; the thread goes on with the next step at once. Either way the
-scheduler and the pool are touched under `self._lock` (uncontended on the loop driver), a step's
-sequences are in flight while it computes, and their pages are not freed until it ends.
+scheduler and the pool are touched under `self._lock`, a step's sequences are in flight while it
+computes, and their pages are not freed until it ends.
 
-Outputs (tandem.engines.outputs): each step ends with ONE `sink.on_step(outputs)` per sink,
-carrying every output of the step, with logprobs where a request asked for them (the hook computes
-them into `batch.logprobs`). Events outside a step (a decode request's first token after its KV
-arrived, a prefill's end once its KV is written, a handoff failure, shutdown) are delivered when
-they happen, one call each.
+Outputs (tandem.engines.outputs): ONE `sink.on_step(outputs)` per sink per step. Events outside
+a step (a decode request's first token after its KV arrived, a prefill's end once its KV is
+written, a handoff or grammar failure, shutdown) are delivered when they happen, one call each.
 """
 
 from __future__ import annotations
@@ -27,12 +24,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
 from tandem.engines.outputs import Step, deliver, ending, last_output, postprocess
 from tandem.engines.handoff import Handoff, HandoffSpec
+from tandem.engines.grammars import Compiles, Deferred
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
 from tandem.engines.pages import PagePool
@@ -96,6 +95,7 @@ class Stepper(Engine):
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._started = self._running = self._closed = self._stopping = False
+        self._compiles = Compiles()  # grammars being compiled off the loop
 
     @property
     def on_kv_events(self) -> Callable[[list[KvEvent]], None] | None:
@@ -124,25 +124,27 @@ class Stepper(Engine):
     def check_prompt(self, prompt: list[int]) -> None:
         """Refuse a prompt this engine cannot take (raise EngineRequestError)."""
 
+    # The request's grammar state: None, a ready one, or Deferred (tandem.engines.grammars); or
+    # EngineRequestError naming the field (engines.grammars `refuse`: an engine that cannot).
+    constraint: Callable[[EngineRequest], Any]
+
     def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
-        prompt, ctx = list(req.prompt_ids), self.spec.max_context
-        check_request(prompt, req.sampling, self.spec,
+        prompt, p = list(req.prompt_ids), req.sampling
+        check_request(prompt, p, self.spec,
                       pd == "" or self.handoff is None or self.handoff.carries_logprobs)
         self.check_prompt(prompt)
         # A prefill-only request holds pages for its prompt alone: only its K/V is handed over.
-        max_total = len(prompt) if pd == "prefill" else min(len(prompt) + req.sampling.max_tokens,
-                                                             ctx)
+        max_total = len(prompt) if pd == "prefill" else \
+            min(len(prompt) + p.max_tokens, self.spec.max_context)
         if not self.sched.fits_at_all(max_total):
-            raise EngineRequestError(
-                f"{max_total} tokens need {self.pool.pages_for(max_total)} KV pages; "
-                f"this engine has {self.num_pages}")
-        return Sequence(rid=req.rid, prompt_ids=prompt, sampling=req.sampling,
-                        max_total=max_total, stop_ids=stop_ids(req.sampling,
-                                                               self.spec.eos_token_ids),
+            raise EngineRequestError(f"{max_total} tokens need {self.pool.pages_for(max_total)} "
+                                     f"KV pages; this engine has {self.num_pages}")
+        return Sequence(rid=req.rid, prompt_ids=prompt, sampling=p, grammar=self.constraint(req),
+                        max_total=max_total, stop_ids=stop_ids(p, self.spec.eos_token_ids),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
                         bootstrap=req.bootstrap, resume=req.resume_offset,
-                        logprobs=None if req.sampling.logprobs is None else [],
-                        extras=req.sampling.logprobs is not None or adjusts_logits(req.sampling),
+                        logprobs=None if p.logprobs is None else [],
+                        extras=p.logprobs is not None or adjusts_logits(p),
                         keys=page_keys(prompt, self.page_size) if self.pool.caching else [])
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ class Stepper(Engine):
             seqs = self.sched.all()
             for seq in seqs:
                 seq.in_flight = False
-            ended = [s for s in seqs if last_output(s)]
+            ended = [s for s in [*seqs, *self._compiles.close()] if last_output(s)]
         deliver(self.name, [(s, ending(s, "abort")) for s in ended], self._cumulative)
         if self.handoff is not None:  # ends the transfers: no write can land after this
             await self.handoff.close()
@@ -201,6 +203,16 @@ class Stepper(Engine):
             pd = self.handoff.role
         seq = self.new_sequence(req, pd)
         seq.sink = sink
+        if isinstance(seq.grammar, Deferred):  # its pages once its grammar is compiled
+            self._compiles.start(seq.grammar, partial(self._admit, seq, pd),
+                                 partial(self.failed, seq), seq)
+        else:
+            self._admit(seq, pd)
+        return _Handle(self, seq)
+
+    def _admit(self, seq: Sequence, pd: str, grammar: Any = None) -> None:
+        if grammar is not None:  # (compiled for it: tandem.engines.grammars)
+            seq.grammar = grammar
         reserved: list[Sequence] = []
         with self._lock:
             self.sched.add(seq)
@@ -212,7 +224,6 @@ class Stepper(Engine):
             self.handoff.submitted(seq)
         elif reserved:
             self._reserved(reserved)
-        return _Handle(self, seq)
 
     def cancel(self, seq: Sequence) -> None:
         """No output after this; pages back at once, after the step computing on them, or (in a
@@ -221,6 +232,8 @@ class Stepper(Engine):
             if seq.done:
                 return
             seq.done = seq.cancelled = True
+        if self._compiles.drop(seq):  # (compiling: it holds nothing yet)
+            return
         if seq.handoff is not None and self.handoff is not None:
             self.handoff.cancel(seq)
         else:
@@ -228,12 +241,9 @@ class Stepper(Engine):
 
     def load(self) -> Load:
         with self._lock:
-            return Load(running=self.sched.num_running, waiting=self.sched.num_waiting,
-                        pages_free=self.pool.num_available, pages_total=self.num_pages,
-                        pages_reserved=self.pool.num_reserved, pages_cached=self.pool.num_cached,
-                        cache_queries=self.pool.queries, cache_hits=self.pool.hits)
+            return self.sched.load()
 
-    # --- what the handoff calls (tandem.engines.handoff.Host), on the loop --------------------------------
+    # --- what the handoff calls (tandem.engines.handoff.Host), on the loop; then the step -------
     def free(self, seq: Sequence, reason: FinishReason = "abort") -> None:
         """Its pages are safe to reuse: give them back (after its step, if one computes now)."""
         with self._lock:
@@ -282,7 +292,6 @@ class Stepper(Engine):
         if last:
             deliver(self.name, [(seq, ending(seq, "error", error))], self._cumulative)
 
-    # --- the step ---------------------------------------------------------------------------------
     def _notify(self) -> None:
         """There may be work (called holding the lock)."""
         if self.step_thread:

@@ -249,7 +249,7 @@ class FrontendApp:
         choices: list[ChoiceSpec] = []
         for p, prompt_ids in enumerate(prompts):
             sampling = validate.sampling_params(req, max_tokens, len(prompt_ids), max_context,
-                                           default_max)
+                                                default_max, opts.constraint)
             echo = ""
             if opts.echo:
                 t = texts[p]
@@ -267,7 +267,7 @@ class FrontendApp:
             stream=opts.stream, include_usage=opts.include_usage,
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token, user=req.user or "")
+            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint)
 
     def _max_context(self) -> int:
         max_context = self.pool.max_context

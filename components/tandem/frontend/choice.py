@@ -4,7 +4,8 @@
 state and nothing else: its detokenizer (stop strings included), the `stream_interval` decision,
 its counts and its finish. It is pure: `feed(delta)` returns the SSE bytes to write now (none when
 aggregated, or when the interval says wait), so it is tested without I/O. `RichChoiceState` is the
-one a choice gets when its chunks carry more than text (logprobs, usage in every chunk).
+one a choice gets when its chunks carry more than text (logprobs, usage in every chunk);
+`ToolCallState` the one whose output is a tool call (tandem.frontend.structured).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.detokenizer import Detokenizer
 from tandem.frontend.http import error_of
+from tandem.frontend.structured import Constraint, call_head, parse_tool_call
 from tandem.runtime.wire import Delta, SamplingParams, TokenLogprobs
 
 
@@ -51,6 +53,7 @@ class GenerationJob:
     continuous_usage: bool = False  # usage in every streamed chunk
     token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
     user: str = ""  # the request's `user` (a conversation key for the router, with no header)
+    constraint: Constraint | None = None  # its output's grammar; a tool call: ToolCallState
     # What the response loop reports back, for the access log:
     rid: str = ""
     completion_tokens: int = 0
@@ -238,8 +241,69 @@ class RichChoiceState(ChoiceState):
             if self.continuous else None
 
 
+class ToolCallState(ChoiceState):
+    """A choice whose output is a tool call, `{"name": ..., "arguments": {...}}` as its grammar
+    makes it, which becomes the message's `tool_calls`, finish_reason "tool_calls". Streamed: the
+    role chunk, then once the name is written a `delta.tool_calls` chunk with the call's id and
+    name, then its arguments' JSON as it comes (the last character held back: it may be the
+    wrapper's closing brace). An output cut short (max_tokens, a stop string) is no call: before
+    its name it goes out as content, after it as the arguments so far; either way with its own
+    finish reason."""
+
+    __slots__ = ("calls", "call_id", "args_at", "args_sent")
+
+    def __init__(self, detok: Detokenizer, enc: sse.ChunkEncoder | None) -> None:
+        super().__init__(detok, None, 1, False)
+        self.head = enc.role() if enc is not None else b""
+        self.calls: list[schemas.ToolCall] | None = None
+        self.enc = enc
+        self.call_id = api.new_id("call_")
+        self.args_at = -1  # where the arguments start in the text, once the name was streamed
+        self.args_sent = 0  # characters of the arguments streamed
+
+    def feed(self, d: Delta) -> bytes:
+        enc, self.enc = self.enc, None  # (collect only)
+        try:
+            ChoiceState.feed(self, d)
+        finally:
+            self.enc = enc
+        out, self.head = self.head, b""
+        text = self.text
+        if self.finish is not None:
+            call = parse_tool_call(text) if self.finish == "stop" else None
+            if call is not None:
+                self.calls = [schemas.ToolCall(self.call_id, "function",
+                                               schemas.FunctionCall(*call))]
+                self.finish = "tool_calls"
+            if enc is None:
+                return b""
+            if self.args_at < 0 and call is None:  # (no call began: the text is content)
+                return out + (enc.text(text, self.finish) if text else enc.finish(self.finish))
+            if self.args_at < 0:
+                out += enc.tool_call("", self.call_id, call[0])  # type: ignore[index]
+            rest = call[1][self.args_sent:] if call is not None else \
+                text[self.args_at + self.args_sent:]
+            return out + (enc.tool_call(rest) if rest else b"") + enc.finish(self.finish)
+        if enc is None:
+            return b""
+        if self.args_at < 0:
+            head = call_head(text)
+            if head is None:
+                return out
+            self.args_at = head[1]
+            out += enc.tool_call("", self.call_id, head[0])
+        new = text[self.args_at + self.args_sent:-1]
+        if new:
+            self.args_sent += len(new)
+            out += enc.tool_call(new)
+        return out
+
+
 def state_of(job: GenerationJob, spec: ChoiceSpec, index: int, rid: str,
            created: int) -> ChoiceState:
+    if job.constraint is not None and job.constraint.tool_call:
+        return ToolCallState(spec.detokenizer, sse.ChunkEncoder(job.kind, rid, created, job.model,
+                                                                index) if job.stream else None)
     if job.continuous_usage or job.logprobs is not None:
         return RichChoiceState(job, spec, index, rid, created)
     enc = sse.ChunkEncoder(job.kind, rid, created, job.model, index) if job.stream else None

@@ -65,7 +65,7 @@ _KINDS: dict[ErrorKind, tuple[int, str, str | None]] = {
 def error_of(d: Delta) -> errors.TandemError:
     """The HTTP error for a delta that ended its request with finish_reason "error"."""
     status, type_, code = _KINDS.get(d.error_kind or ErrorKind.ENGINE, _KINDS[ErrorKind.ENGINE])
-    err = errors.TandemError(d.error or "The engine failed this request.",
+    err = errors.TandemError(d.error or "The engine failed this request.", param=d.error_param,
                              retry_after=1.0 if status == 503 else None)
     err.status, err.type, err.code = status, type_, code
     return err

@@ -17,7 +17,8 @@ import msgspec
 
 from tandem.frontend.schemas import (ChatChoice, ChatCompletion, ChatLogprobs, Completion,
                                      CompletionChoice, CompletionLogprobs, PromptTokensDetails,
-                                     ResponseMessage, TokenLogprob, TopLogprob, UsageInfo)
+                                     ResponseMessage, TokenLogprob, ToolCall, TopLogprob,
+                                     UsageInfo)
 from tandem.runtime.wire import TokenLogprobs
 
 __all__ = ["LogprobsJson", "TokenTexts", "chat_completion", "chat_completion_choices",
@@ -117,12 +118,17 @@ def text_completion(rid: str, created: int, model: str, text: str, finish: str |
 
 def chat_completion_choices(rid: str, created: int, model: str,
                             outs: list[tuple[str, str | None]], usage: UsageInfo,
-                            logprobs: Sequence[ChatLogprobs | msgspec.Raw | None] = ()
+                            logprobs: Sequence[ChatLogprobs | msgspec.Raw | None] = (),
+                            tool_calls: Sequence[list[ToolCall] | None] = ()
                             ) -> ChatCompletion:
-    """Several choices, `outs[index] = (text, finish_reason)`."""
+    """Several choices, `outs[index] = (text, finish_reason)`; a choice with `tool_calls` has
+    them instead of content."""
     lps = list(logprobs) or [None] * len(outs)
+    calls = list(tool_calls) or [None] * len(outs)
     return ChatCompletion(rid, "chat.completion", created, model,
-                          [ChatChoice(i, ResponseMessage("assistant", text), lps[i], fin)
+                          [ChatChoice(i, ResponseMessage("assistant", text) if calls[i] is None
+                                      else ResponseMessage("assistant", None, calls[i]),
+                                      lps[i], fin)
                            for i, (text, fin) in enumerate(outs)], usage)
 
 

@@ -48,7 +48,7 @@ from tandem.frontend import openai_api as api
 from tandem.frontend import schemas
 from tandem.frontend import sse
 from tandem.frontend.choice import (ChoiceSpec, ChoiceState, GenerationJob, RichChoiceState,
-                                    state_of)
+                                    ToolCallState, state_of)
 from tandem.frontend.http import JSON, ClientGone, ResponseWriter
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.response_state import FIRST, STREAMING, ResponseState
@@ -286,6 +286,8 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
                   m: FrontendMetrics) -> None:
     """Write the end of the response: the last chunks and [DONE], the JSON body, or the error."""
     if failure is not None:
+        if failure.param == "json_schema" and job.constraint is not None:  # (the engine's name
+            failure.param = job.constraint.param  # for the request's grammar: its field here)
         m.error(failure.type)
         if failure.type == "kv_transfer_error":
             m.kv_transfer_failures.inc()
@@ -313,7 +315,8 @@ async def _finish(job: GenerationJob, states: list[ChoiceState], rid: str, creat
     lps = [st.body_logprobs() if isinstance(st, RichChoiceState) else None for st in states]
     body: schemas.ChatCompletion | schemas.Completion
     if job.kind == "chat":
-        body = api.chat_completion_choices(rid, created, job.model, outs, usage, lps)
+        calls = [st.calls if isinstance(st, ToolCallState) else None for st in states]
+        body = api.chat_completion_choices(rid, created, job.model, outs, usage, lps, calls)
     else:
         body = api.text_completion_choices(rid, created, job.model, outs, usage, lps)
     await w.reply(200, _encode(body), JSON)

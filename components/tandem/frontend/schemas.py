@@ -64,6 +64,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     stream_interval: AnyInt | None = None  # tandem extension: coalesce this many tokens per chunk
+    regex: str | None = None  # tandem extension: the output matches this regular expression
 
 
 class CompletionRequest(GenerateRequest, kw_only=True):
@@ -152,9 +153,36 @@ class CompletionLogprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float]]
 
 
-class ResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCall
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # the next part of the arguments' JSON
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A part of a streamed tool call (`delta.tool_calls`): the first carries its id, type and
+    name; the rest, the next part of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -176,6 +204,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

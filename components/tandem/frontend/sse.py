@@ -82,6 +82,17 @@ class ChunkEncoder:
             self.rid, "chat.completion.chunk", self.created, self.model,
             [schemas.ChatChunkChoice(self.index, schemas.ChatDelta(), None, finish)]))
 
+    def tool_call(self, arguments: str, call_id: str | None = None,
+                  name: str | None = None) -> bytes:
+        """A chat chunk carrying a part of the choice's tool call (`delta.tool_calls`, index 0):
+        its first part names it (`call_id`, `name`), every part adds to its arguments."""
+        call = schemas.ToolCallDelta(0, call_id, None if call_id is None else "function",
+                                     schemas.FunctionCallDelta(name, arguments))
+        return event(schemas.ChatCompletionChunk(
+            self.rid, "chat.completion.chunk", self.created, self.model,
+            [schemas.ChatChunkChoice(self.index, schemas.ChatDelta(tool_calls=[call]), None,
+                                     None)]))
+
     def usage(self, usage: schemas.UsageInfo) -> bytes:
         """The `stream_options.include_usage` chunk: empty choices, the request's usage."""
         if self.kind == "chat":

@@ -11,9 +11,11 @@ Several choices: `n` is 1..MAX_N; a completions request may carry up to MAX_PROM
 `prompts * n` is at most MAX_CHOICES. With a `seed`, choice `i` of a prompt samples with
 `(seed + i) mod 2^63`, so the n choices differ, the response is reproducible and no seed overflows.
 
-What is refused everywhere, with the field named: `response_format` other than `text` and
-`tools` (no engine announces constrained decoding or tool-call parsing), `best_of` > 1, `suffix`,
-`echo` with `logprobs` (prompt logprobs are not computed).
+Constrained output (`response_format`, the `regex` extension) and tool calls (`tools`,
+`tool_choice`) are tandem.frontend.structured's: `sampling_params` carries what they become.
+
+What is refused everywhere, with the field named: `best_of` > 1, `suffix`, `echo` with `logprobs`
+(prompt logprobs are not computed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from tandem.frontend.http import PayloadTooLarge
+from tandem.frontend import structured
+from tandem.frontend.structured import Constraint
 from tandem.frontend.schemas import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, GenerateRequest, TokenizeRequest)
 from tandem.runtime import errors, sampling
@@ -85,7 +89,8 @@ def _check(why: str | None, param: str) -> None:
 
 @dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs more, per request)
 class Options:
-    """What the frontend itself does for a request (the engine never sees these)."""
+    """What the frontend itself does for a request (the engine sees only `constraint`, through
+    `sampling_params`)."""
 
     n: int
     stream: bool
@@ -96,6 +101,7 @@ class Options:
     logprobs: int | None  # top alternatives per token; None = no logprobs in the response
     include_usage: bool
     continuous_usage: bool
+    constraint: Constraint | None  # constrained output, a tool call (tandem.frontend.structured)
 
 
 def options(req: ChatCompletionRequest | CompletionRequest) -> Options:
@@ -110,7 +116,8 @@ def options(req: ChatCompletionRequest | CompletionRequest) -> Options:
                    include_stop=bool(req.include_stop_str_in_output),
                    skip_special_tokens=req.skip_special_tokens is not False, echo=echo,
                    logprobs=logprobs, include_usage=bool(so and so.include_usage),
-                   continuous_usage=bool(so and so.continuous_usage_stats))
+                   continuous_usage=bool(so and so.continuous_usage_stats),
+                   constraint=structured.constraint(req))
 
 
 def _check_common(req: GenerateRequest, max_tokens: int | None, max_tokens_param: str,
@@ -150,10 +157,6 @@ def _check_common(req: GenerateRequest, max_tokens: int | None, max_tokens_param
     if req.stream_interval is not None and req.stream_interval < 1:
         raise _bad(f"stream_interval must be a positive integer, got {req.stream_interval}.",
                    "stream_interval")
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        raise _bad(f"response_format {rf.type!r} is not supported: no engine of this server "
-                   f"constrains its output; only 'text' is.", "response_format")
 
 
 def stops_of(req: GenerateRequest) -> tuple[str, ...]:
@@ -206,12 +209,6 @@ def validate_chat(req: ChatCompletionRequest, vocab_size: int = 2**63) -> list[d
         if not req.logprobs:
             raise _bad("top_logprobs needs logprobs to be true.", "top_logprobs")
         _check(sampling.logprobs_error(req.top_logprobs, "top_logprobs"), "top_logprobs")
-    if req.tools and req.tool_choice != "none":
-        raise _bad("Tool calling is not supported by this server: send no tools, or "
-                   "tool_choice 'none'.", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _bad("tool_choice must be 'none' or 'auto': tool calling is not supported.",
-                   "tool_choice")
     if not req.messages:
         raise _bad("messages must contain at least one message.", "messages")
     out: list[dict[str, Any]] = []
@@ -306,9 +303,10 @@ def seed_of(seed: int | None, i: int) -> int | None:
 
 
 def sampling_params(req: GenerateRequest, max_tokens: int | None, prompt_tokens: int,
-                    max_context: int, default_max_tokens: int | None) -> SamplingParams:
+                    max_context: int, default_max_tokens: int | None,
+                    constraint: Constraint | None = None) -> SamplingParams:
     """The engine's sampling parameters, after the context-length check. `default_max_tokens`
-    None means "the rest of the context"."""
+    None means "the rest of the context"; `constraint` (structured.constraint) its grammar."""
     chat = isinstance(req, ChatCompletionRequest)
     if prompt_tokens >= max_context:
         raise _bad(f"This model's maximum context length is {max_context} tokens. However, your "
@@ -344,4 +342,6 @@ def sampling_params(req: GenerateRequest, max_tokens: int | None, prompt_tokens:
         logit_bias=dict(req.logit_bias) if req.logit_bias else None,
         min_p=req.min_p or 0.0,
         logprobs=logprobs,
+        json_schema=None if constraint is None else constraint.json_schema,
+        regex=None if constraint is None else constraint.regex,
     )

@@ -275,7 +275,8 @@ class RequestHandle:
 
     def leg_failed(self, leg: Leg, err: errors.TandemError) -> None:
         if not leg.reads:
-            err = type(err)(f"prefill failed: {err.message}", retry_after=err.retry_after)
+            err = type(err)(f"prefill failed: {err.message}", param=err.param,
+                            retry_after=err.retry_after)
         if isinstance(err, errors.WorkerLost):
             refused = self._migrate(err)
             if refused is None:
@@ -292,7 +293,7 @@ class RequestHandle:
             return
         self.collector.put(Delta(self.rid, len(self.tokens), [], "error", None,
                                  f"prefill failed: {d.error or 'the engine failed'}",
-                                 d.error_kind or ErrorKind.ENGINE))
+                                 d.error_kind or ErrorKind.ENGINE, error_param=d.error_param))
         self._abort_others(None)
 
     def _abort_others(self, failed: Leg | None) -> None:

@@ -196,7 +196,7 @@ class WorkerServer:
             log.error("%s: engine error: %s", rid, err)
         self._requests.pop(rid, None)
         self.frontends.emit(r.ident, Delta(rid, r.sent, [], "error", error=str(err),
-                                           error_kind=err.kind))
+                                           error_kind=err.kind, error_param=err.param))
 
     def _end(self, rid: str, kind: ErrorKind, why: str) -> None:
         """Cancel a request and tell its frontend why."""
@@ -252,9 +252,10 @@ class WorkerServer:
         self._send(ident, HelloReply(wire.PROTOCOL_VERSION, True, self.info))
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
-        def refuse(kind: ErrorKind, why: str) -> None:
+        def refuse(kind: ErrorKind, why: str, param: str | None = None) -> None:
             rid = msg.rid[:MAX_RID_CHARS]  # (an over-long id was refused: echo only its start)
-            self.frontends.emit(ident, Delta(rid, 0, [], "error", error=why, error_kind=kind))
+            self.frontends.emit(ident, Delta(rid, 0, [], "error", error=why, error_kind=kind,
+                                             error_param=param))
 
         if self._draining:
             return refuse(ErrorKind.DRAINING, "worker is draining")
@@ -274,7 +275,7 @@ class WorkerServer:
         try:
             handle = self.engine.submit(req, self)
         except EngineError as e:
-            return refuse(e.kind, str(e))
+            return refuse(e.kind, str(e), e.param)
         except Exception as e:  # an engine bug on odd input must not take the batch's others
             transport.refused("worker", "engine submit failed", log, repr(e))
             return refuse(ErrorKind.ENGINE, f"the engine failed to take the request: {e}")

@@ -8,8 +8,9 @@ Ranges: max_tokens >= 1, min_tokens in [0, max_tokens], temperature in [0, 1e6],
 top_k >= 0 (0 = off), min_p in [0, 1], presence and frequency penalties in [-2, 2], repetition
 penalty in (0, 1e6] (1 = off), logit_bias: at most MAX_LOGIT_BIAS_ENTRIES values in [-100, 100]
 keyed by the model's token ids, stop_token_ids: at most MAX_STOP_TOKEN_IDS of the model's token
-ids, logprobs in [0, MAX_LOGPROBS] (None = off), seed in [0, 2^64). Every number is finite and fits
-64 bits (an engine's integer types), whatever the field, a new one too.
+ids, logprobs in [0, MAX_LOGPROBS] (None = off), seed in [0, 2^64), json_schema and regex (the
+grammars of constrained output) at most MAX_GRAMMAR_CHARS characters each, not both. Every number
+is finite and fits 64 bits (an engine's integer types), whatever the field, a new one too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # a bias value, either sign
 MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_STOP_TOKEN_IDS = 8192
+MAX_GRAMMAR_CHARS = 65536  # a json_schema or a regex: what a grammar compiler is given is bounded
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 SEED_MAX = 2**64 - 1
 
@@ -36,9 +38,9 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "repetition_penalty": (0.0, 1e6, True),
 }
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_STOP_TOKEN_IDS",
-           "RANGES", "KnownValid", "check_sampling", "logit_bias_error", "logprobs_error",
-           "range_error", "stop_ids_error"]
+__all__ = ["MAX_GRAMMAR_CHARS", "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS",
+           "MAX_STOP_TOKEN_IDS", "RANGES", "KnownValid", "check_sampling", "grammar_error",
+           "logit_bias_error", "logprobs_error", "range_error", "stop_ids_error"]
 
 Problem = tuple[str, str]  # (why, in words; the field)
 
@@ -72,6 +74,13 @@ def stop_ids_error(ids: Iterable[int], vocab_size: int) -> str | None:
         if t < 0 or (vocab_size and t >= vocab_size):
             return (f"stop_token_ids: {t} is not a token id of this model (vocabulary "
                     f"[0, {vocab_size}))")
+    return None
+
+
+def grammar_error(name: str, text: str) -> str | None:
+    """A json_schema or regex past the size a grammar compiler is given."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return f"{name} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}"
     return None
 
 
@@ -138,6 +147,13 @@ def _check(p: SamplingParams, vocab_size: int) -> Problem | None:
         why = logprobs_error(p.logprobs)
         if why is not None:
             return why, "logprobs"
+    if p.json_schema is not None and p.regex is not None:
+        return "json_schema and regex cannot both be set", "regex"
+    for name in ("json_schema", "regex"):
+        text = getattr(p, name)
+        why = None if text is None else grammar_error(name, text)
+        if why is not None:
+            return why, name
     return None
 
 

@@ -157,7 +157,8 @@ class TokenLogprobs(_Msg):
 class Delta(_Msg):
     """New tokens of one request. `offset` is how many completion tokens came before these ones;
     the receiver refuses a gap or an overlap. A delta with `finish_reason` is the request's last;
-    with finish_reason "error", `error_kind` says why and `error` says it in words."""
+    with finish_reason "error", `error_kind` says why, `error` says it in words and `error_param`
+    names the request's field at fault, when one is."""
 
     rid: str
     offset: int
@@ -167,6 +168,7 @@ class Delta(_Msg):
     error: str = ""
     error_kind: ErrorKind | None = None
     logprobs: list[TokenLogprobs] | None = None  # when asked for: one per token_ids item
+    error_param: str | None = None  # the request field at fault (EngineError.param), if one is
 
     def extend(self, later: Delta) -> None:
         """Merge the request's next delta into this one, in place: its tokens (and their logprobs)
@@ -182,12 +184,14 @@ class Delta(_Msg):
             self.usage = later.usage
         self.error = later.error
         self.error_kind = later.error_kind
+        self.error_param = later.error_param
 
     def joined(self, later: Delta) -> Delta:
         """A new delta: this one merged with the request's next (`extend`); neither changes."""
         d = Delta(self.rid, self.offset, list(self.token_ids), self.finish_reason, self.usage,
                   self.error, self.error_kind,
-                  logprobs=None if self.logprobs is None else list(self.logprobs))
+                  logprobs=None if self.logprobs is None else list(self.logprobs),
+                  error_param=self.error_param)
         d.extend(later)
         return d
 

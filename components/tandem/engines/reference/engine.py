@@ -11,6 +11,10 @@ their logprobs into `batch.logprobs`: tandem.engines.reference.sampler says whic
 `compute_hook(batch, model_step)` instead of `model_step(batch)` (to hold a step, record it, or
 fail it).
 
+Constrained output (json_schema, regex): tandem.engines.reference.grammar compiles a request's
+grammar at submit (`constraint`) and masks its logits before each of its tokens is sampled, the
+prefill side's first token and a resumed request's next ones included.
+
 PD: with a handoff (tandem.engines.handoff) its KV memory is this cache. Random draws are keyed by
 (seed, position) (sampler.py), so a prefill engine's first token and a decode engine's later ones
 are exactly the tokens an aggregated run samples.
@@ -20,15 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, ModelSpec
+from tandem.engines.grammars import Deferred
 from tandem.engines.handoff import HandoffSpec
+from tandem.engines.sampling import grammar_param
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
+from tandem.engines.reference.grammar import Constraint, Grammars
 from tandem.engines.reference.model import Llama, page_table
 from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
 from tandem.engines.scheduler import Batch, Sequence
@@ -42,6 +52,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 4096  # prompt tokens prefilled in one step (at lea
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+T = TypeVar("T")
 Compute = Callable[[Batch], list[int]]
 ComputeHook = Callable[[Batch, Compute], list[int]]
 
@@ -87,6 +98,9 @@ class ReferenceEngine(Stepper):
         self.compute_hook = compute_hook
         self._model: Llama | None = None
         self.kv: torch.Tensor | None = None
+        # Built beside the model's load and first steps (xgrammar's import takes most of a
+        # second); the first constrained request waits for it.
+        self._grammars: Future[Grammars] | None = None
 
     # --- the Stepper hooks ------------------------------------------------------------------------
     step_thread = True
@@ -97,6 +111,8 @@ class ReferenceEngine(Stepper):
         return kv
 
     def _load_model(self) -> tuple[Llama, torch.Tensor]:
+        self._grammars = _in_thread(Grammars, self.model_dir, self.spec.vocab_size,
+                                    self.spec.eos_token_ids)
         cfg, state = load_checkpoint(self.model_dir)
         model = Llama.from_state_dict(cfg, state, self.device, self.dtype)
         return model, model.new_kv_cache(self.num_pages, self.page_size)
@@ -109,6 +125,16 @@ class ReferenceEngine(Stepper):
         seq = super().new_sequence(req, pd)
         seq.seed = base_seed(req.sampling)
         return seq
+
+    @property
+    def grammars(self) -> Grammars:
+        assert self._grammars is not None  # (started: submit refuses before)
+        return self._grammars.result()
+
+    def constraint(self, req: EngineRequest) -> Constraint | Deferred | None:
+        if grammar_param(req.sampling) is None:
+            return None
+        return self.grammars.constraint(req, self.name)
 
     def compute(self, batch: Batch) -> list[int]:
         hook = self.compute_hook
@@ -137,6 +163,9 @@ class ReferenceEngine(Stepper):
                                  s.origin_prompt, s.all_output, s.extras) for s in seqs]
         asked = [i for i, s in enumerate(seqs) if s.extras and s.logprobs is not None]
         raw = logits[asked].log_softmax(dim=-1) if asked else None  # (before sample changes it)
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            self.grammars.mask(logits, constrained)
         tokens = sample(logits, sample_rows)
         if raw is not None:
             lps = token_logprobs(raw, [seqs[i].sampling.logprobs or 0 for i in asked],
@@ -145,3 +174,17 @@ class ReferenceEngine(Stepper):
             for i, lp in zip(asked, lps):
                 batch.logprobs[i] = lp
         return tokens
+
+
+def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """`fn(*args)` on a thread of its own; its result (or its exception) in the future."""
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # (the future carries it to whoever waits)
+            fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="tandem-grammars").start()
+    return fut
