@@ -32,7 +32,6 @@ log = logging.getLogger("tandem.engine")
 COMPILE_DEADLINE_S = 5.0
 
 
-
 @dataclass(slots=True)
 class Deferred:
     """A grammar to compile off the event loop: `compile()` returns its state or raises
