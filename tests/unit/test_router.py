@@ -200,6 +200,24 @@ async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
     assert worker_of(await enter(pool, list(range(11 * PAGE)))) == "tcp://w0"
 
 
+async def test_free_pages_count_the_prefills_this_router_sent_since_the_report():
+    # one report says 6 pages are free; a 4-page prompt takes them as far as the router knows, so
+    # a second waits in the frontend's queue instead of following the first onto that worker
+    pool = make_pool(["agg"], pages=10)
+    c = pool.links[0]
+    c.on_load(LoadReport(0, Load(pages_free=6, pages_total=10)))
+    a = await enter(pool, list(range(4 * PAGE)))
+    assert c.pending_prefill_tokens == 4 * PAGE
+    waiting = asyncio.create_task(enter(pool, list(range(100, 100 + 4 * PAGE))))
+    for _ in range(100):  # (until the task reaches the queue)
+        if pool.num_queued:
+            break
+        await asyncio.sleep(0)
+    assert pool.num_queued == 1 and not waiting.done()
+    c.on_deltas(Deltas([Delta(a.rid, 0, [1])]))  # a's prefill is done: its pages are the worker's
+    await asyncio.wait_for(waiting, 1)
+
+
 # --- admission queue ------------------------------------------------------------------------------
 async def test_queue_is_bounded_and_wakes_in_fifo_order():
     pool = make_pool(["agg"], max_inflight_per_worker=1, max_queue=2, queue_timeout_s=5)

@@ -65,9 +65,17 @@ class WorkerAccount:
 
 def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
              num_tokens: int) -> bool:
-    """Under the per-worker limits, with enough free pages in its last report for the prompt (a
-    prompt bigger than the whole worker is let through: the worker refuses it itself). A worker
-    whose last report says it is draining takes nothing."""
+    """Under the per-worker limits, with enough free pages for the prompt (a prompt bigger than the
+    whole worker is let through: the worker refuses it itself). A worker whose last report says it
+    is draining takes nothing.
+
+    Free pages: the last report's, less those of the prompts this router sent there whose prefill
+    has not come back (`pending_prefill_tokens`, uncached part only): the report may not count them
+    yet (in flight, or queued at the worker, which holds no pages), and without them every request
+    placed between two reports reads the same free pages, so a wake would send the whole admission
+    queue to the first worker that reported room (perf/results/admission_page_gate_probe.md). A
+    prompt already admitted and still prefilling is counted twice until its first token: the gate
+    errs toward holding a request in the frontend's queue a step longer."""
     if getattr(load, "draining", False):
         return False
     if limits.max_inflight_per_worker and account.num_in_flight >= limits.max_inflight_per_worker:
@@ -77,8 +85,10 @@ def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, loa
     if limit and info.role != "decode" and pending and pending + num_tokens > limit:
         return False
     total = load.pages_total
-    need = -(-num_tokens // info.page_size)
-    return not (total and need <= total and load.pages_free < need)
+    size = info.page_size
+    need = -(-num_tokens // size)
+    free = load.pages_free - (-(-pending // size) if info.role != "decode" else 0)
+    return not (total and need <= total and free < need)
 
 
 STREAK_BACKOFF_S = (0.5, 30.0)  # first and longest wait before a failing worker is tried again
