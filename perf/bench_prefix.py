@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             "tandem_worker_args": worker_args,
             "tandem_frontend_args": shlex.split(args.frontend_args), "num_pages": args.num_pages,
             "max_batch": args.max_batch, "dynamo_python": args.dynamo_python,
-            "dynamo_workers": 4, "tree": tree(), "timing": {"prefill_us": args.prefill_us_per_token,
-                                            "step_us": args.decode_step_us,
-                                            "seq_us": args.decode_us_per_seq}}
+            "dynamo_workers": 4, "tree": tree(),
+            "timing": {"prefill_us": args.prefill_us_per_token, "step_us": args.decode_step_us,
+                       "seq_us": args.decode_us_per_seq}}
     saved = {"argv": sys.argv[1:] if argv is None else argv, "spec": spec,
              "machine_before": machine_snapshot(), "skipped": skipped, "runs": []}
     print("others on this machine:", saved["machine_before"], flush=True)
@@ -239,7 +239,8 @@ def write(out: str, saved: dict) -> None:
     header = [
         "# Prefix-aware routing: tandem's policies and Dynamo 1.6.1's, same client, same traffic",
         "", f"`python -m perf.bench_prefix {' '.join(saved['argv'])}`", "",
-        f"(tandem at {spec.get('tree', '?')}; {mb.get('when', '?')}, {mb.get('cpus', '?')} CPUs, load average before "
+        f"(tandem at {spec.get('tree', '?')}; {mb.get('when', '?')}, {mb.get('cpus', '?')} CPUs, "
+        f"load average before "
         f"{tuple(round(x, 2) for x in mb.get('loadavg', ()))}; other busy processes before: "
         f"{_others(mb)}; after: {_others(saved.get('machine_after', {}))})", "",
         f"Workers: mock timing {spec['timing']}, {spec['num_pages']} KV pages of "
@@ -247,7 +248,8 @@ def write(out: str, saved: dict) -> None:
         f"worker; {spec['max_tokens']} output tokens per request; workload {spec['params']}.",
     ]
     if spec.get("tandem_frontend_args"):
-        header.append(f"tandem's frontend also ran with `{' '.join(spec['tandem_frontend_args'])}`.")
+        flags = " ".join(spec["tandem_frontend_args"])
+        header.append(f"tandem's frontend also ran with `{flags}`.")
     header += [f"Failed: {x}" for x in saved.get("failures", [])]
     text = R.markdown(saved["runs"], header, saved.get("skipped", []))
     with open(out + ".md", "w") as f:

@@ -51,7 +51,7 @@ class Params:
     user_min: int = 40  # ... and a user turn, as every later turn
     user_max: int = 120
     think_s: float = 1.0  # mean think time between turns (exponential)
-    answer_tokens: int = 32  # the answer each turn appends to the history (bench_prefix: max_tokens)
+    answer_tokens: int = 32  # what each turn appends as its answer (bench_prefix: max_tokens)
 
 
 @dataclass
