@@ -214,7 +214,7 @@ async def test_room_that_never_gets_kv_fails_and_pages_wait_for_release(
     # D's 0.3 s done deadline ended it (without one, D would wait until `finished` gives up at
     # 30 s); the bound only has to tell those apart, with seconds to spare on a loaded machine.
     assert time.monotonic() - t0 < 15
-    assert c.d.load().pages_reserved == c.d.pool.pages_for(5 + 8)  # quarantined
+    assert c.d.load().pages_reserved == c.d.pool.pages_for(5)  # the prompt's: quarantined
     c.d.pool.check()
     t_free = await idle_at(c.d, timeout=0.2 + QUARANTINE_GRACE_S + 10.0)  # (a hang bound)
     assert t_free - t0 >= 0.2 + QUARANTINE_GRACE_S

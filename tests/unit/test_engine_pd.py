@@ -124,7 +124,10 @@ async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0)
-        assert d.load().pages_reserved == d.pool.pages_for(3 + 5)
+        # the prompt's pages, and its completion's promised (taken as decode writes them)
+        assert d.load().pages_reserved == d.pool.pages_for(3)
+        owner = next(o for o in d.pool.owners() if o.startswith("r#"))
+        assert d.pool.promised_to(owner) == d.pool.pages_for(3 + 5) - d.pool.pages_for(3) > 0
         assert ch.calls == [d.pool.pages_of(d.pool.owners()[0])[:1]]  # the prompt's pages
         want = first_ids([4, 5, 6], 5)
         ch.result.set_result(want[0])
@@ -156,7 +159,10 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0.001)
-        assert d.load().pages_reserved == d.pool.pages_for(3 + 5)
+        # the prompt's pages, and its completion's promised (taken as decode writes them)
+        assert d.load().pages_reserved == d.pool.pages_for(3)
+        owner = next(o for o in d.pool.owners() if o.startswith("r#"))
+        assert d.pool.promised_to(owner) == d.pool.pages_for(3 + 5) - d.pool.pages_for(3) > 0
         want = first_ids([4, 5, 6], 5)
         ch.result.set_result(want[0])
         while not run.outputs:

@@ -119,6 +119,38 @@ def test_reserve_after_shared_pages_then_commit() -> None:
     pool.check()
 
 
+def test_a_promised_page_evicts_nothing_until_it_is_written() -> None:
+    """A request's completion pages are promised at admission and taken one at a time: cached
+    pages stay cached until a decode step needs the room, and the promise is counted as taken."""
+    pool = PagePool(4, 4, caching=True)
+    keys = page_keys(tokens(0, 8), 4)
+    a = pool.take("a", [], 2)
+    pool.publish(a, keys, 0, 2, lambda x, y: tokens(x, y))
+    pool.free("a")
+    pool.events.clear()  # 2 free, 2 cached
+    b = pool.take("b", [], 1, later=2)  # one page now, two promised
+    assert (pool.num_free, pool.num_cached, pool.num_promised, pool.num_available) == (1, 2, 2, 1)
+    assert not pool.can_take([], 2) and pool.can_take([], 1)  # the promise is not offered again
+    pool.check()
+    assert pool.grow("b") not in b and pool.events == []  # a free page: the cache keeps both
+    assert pool.match(keys, 2) == a[:2]
+    pool.grow("b")  # no page free: the deepest cached page goes, now that it must
+    assert pool.events == [BlockRemoved(block_hashes=[event_hash(keys[1])])]
+    assert pool.match(keys, 2) == a[:1] and pool.num_promised == 0
+    with pytest.raises(PagePoolError):  # the promise is spent
+        pool.grow("b")
+    pool.check()
+    assert pool.free("b") == 3 and pool.idle() and pool.num_available == 4
+    c = pool.reserve("c", 1, later=1)  # PD decode: the transfer's pages, then a promise ...
+    with pytest.raises(PagePoolError):  # ... kept once the transfer is in
+        pool.grow("c")
+    assert pool.commit("c") == c
+    pool.grow("c")
+    pool.free("c")
+    pool.check()
+    assert pool.num_promised == 0 and pool.num_available == 4
+
+
 # --- engines --------------------------------------------------------------------------------------
 
 
@@ -200,6 +232,31 @@ async def test_mock_evicts_under_pressure_and_stays_exact(mock_dir: str) -> None
     finally:
         await on.shutdown()
         await off.shutdown()
+
+
+async def test_mock_keeps_cached_pages_until_decode_writes_past_the_free_ones(
+        mock_dir: str) -> None:
+    """A request's completion pages are promised, not taken, at admission: a long max_tokens
+    evicts no cached prefix until its decode needs the room, and the promise is kept."""
+    eng = MockEngine(mock_dir, page_size=4, num_pages=8)
+    await eng.start()
+    try:
+        system = tokens(10, 26)  # 16 tokens: 4 pages, cached once served
+        await serve(eng, [system + [1]], max_tokens=1)
+        assert (eng.pool.num_cached, eng.pool.num_free) == (4, 4)
+        seen: list[tuple[int, int, int]] = []
+        rec = Recorder(eng)
+        run = rec.submit(eng, "long", [3, 4, 5], SamplingParams(max_tokens=16))  # 5 pages at most
+        run.on_output = lambda _: seen.append(
+            (len(run.ids), eng.pool.num_cached, eng.pool.num_promised))
+        await finished(run)
+        assert run.finish == "length" and len(run.ids) == 16
+        assert seen[0] == (1, 4, 4)  # admitted with 1 page and 4 promised; nothing evicted
+        assert min(c for _, c, _ in seen) == 3  # its 5th page, once written, took a cached one
+        await wait_idle(eng)
+        assert eng.pool.num_promised == 0 and eng.pool.num_available == 8
+    finally:
+        await eng.shutdown()
 
 
 @pytest.fixture

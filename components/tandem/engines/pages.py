@@ -7,6 +7,13 @@ total, where a page held by several running requests (a shared prefix) counts on
 reference count is the number of requests holding it. When the system is idle every page is free
 or cached.
 
+Promises: a request is admitted with pages for its prompt and a *promise* of the pages its
+completion may reach (`take`/`reserve` with `later`); each becomes a page when a decode step first
+writes into it (`grow`). Promised pages are counted as taken (`num_available`, `can_take`), so a
+grow always succeeds, but no cached page is evicted for a page nobody has written yet: the prefix
+cache keeps them until then (SGLang and vLLM allocate decode pages as they are written too).
+Invariant: promised <= free + cached-unreferenced.
+
 The prefix cache (`caching`): a full page whose K/V is computed can be `publish`ed under its key;
 a new request `match`es the keys of its prompt's leading full pages and `take`s the cached ones
 (shared, read only: nothing writes into a full page again) before new ones. A cached page no
@@ -49,6 +56,8 @@ class PagePool:
         self._key: dict[int, int] = {}  # cached page -> its key
         self._page: dict[int, int] = {}  # key -> cached page
         self._lru: dict[int, None] = {}  # cached pages nobody holds, least recently released first
+        self._promised: dict[str, int] = {}  # owner -> pages it may still grow by
+        self.num_promised = 0  # their sum
         self.events: list[KvEvent] = []  # stores and evictions since the engine last took them
         self.recording = True  # whether to record them (the engine: when someone takes them)
         self.queries = self.hits = 0  # prompt tokens looked up / found cached, at admission
@@ -65,8 +74,8 @@ class PagePool:
 
     @property
     def num_available(self) -> int:
-        """Pages a new request can get: free, or cached and evictable."""
-        return len(self._free) + len(self._lru)
+        """Pages a new request can get: free, or cached and evictable, less those promised."""
+        return len(self._free) + len(self._lru) - self.num_promised
 
     @property
     def num_reserved(self) -> int:
@@ -75,7 +84,7 @@ class PagePool:
     @property
     def num_held(self) -> int:
         """Pages running requests hold, a shared page once."""
-        return self.num_pages - self.num_available - self.num_reserved
+        return self.num_pages - len(self._free) - len(self._lru) - self.num_reserved
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -101,7 +110,7 @@ class PagePool:
         it unavailable for the new ones)."""
         lru = self._lru
         pinned = sum(1 for p in hits if p in lru) if lru else 0
-        return num_new <= len(self._free) + len(lru) - pinned
+        return num_new <= len(self._free) + len(lru) - pinned - self.num_promised
 
     def publish(self, pages: Sequence[int], keys: Sequence[int], start: int, end: int,
                 tokens: Callable[[int, int], list[int]]) -> None:
@@ -156,20 +165,43 @@ class PagePool:
 
     # --- verbs, in pairs ------------------------------------------------------------------------
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free) + len(self._lru)
+        return num_pages <= self.num_available
 
-    def take(self, owner: str, hits: Sequence[int], num_new: int) -> list[int]:
-        """Give `owner` the cached pages `hits` (shared) and `num_new` new ones; returns all."""
+    def take(self, owner: str, hits: Sequence[int], num_new: int, later: int = 0) -> list[int]:
+        """Give `owner` the cached pages `hits` (shared) and `num_new` new ones, and promise it
+        `later` more (`grow`); returns the pages it has now."""
         if owner in self._held or owner in self._reserved:
             raise PagePoolError(f"{owner} already has pages")
-        if not self.can_take(hits, num_new):
-            raise PagePoolError(f"need {num_new} pages, {self.num_available} available")
+        if not self.can_take(hits, num_new + later):
+            raise PagePoolError(f"need {num_new + later} pages, {self.num_available} available")
         self._share(hits)
         pages = [*hits, *self._new(num_new)]
         for p in pages[len(hits):]:
             self._refs[p] = 1
         self._held[owner] = pages
-        return pages
+        self._promise(owner, later)
+        return list(pages)  # (the caller's own list: `grow` appends to the pool's)
+
+    def _promise(self, owner: str, n: int) -> None:
+        if n > 0:
+            self._promised[owner] = n
+            self.num_promised += n
+
+    def grow(self, owner: str) -> int:
+        """One page of `owner`'s promise becomes its own (appended to what it holds): the page
+        its next token is written into. Evicts a cached page if none is free; returns the page."""
+        left = self._promised.get(owner, 0)
+        if left <= 0 or owner not in self._held or owner in self._reserved:
+            raise PagePoolError(f"{owner} has no page promised (or its transfer is not in)")
+        if left == 1:
+            del self._promised[owner]
+        else:
+            self._promised[owner] = left - 1
+        self.num_promised -= 1
+        page = self._new(1)[0]
+        self._refs[page] = 1
+        self._held[owner].append(page)
+        return page
 
     def allocate(self, owner: str, num_pages: int) -> list[int]:
         """Give `owner` `num_pages` more pages (appended to what it holds); returns the new ones."""
@@ -183,18 +215,21 @@ class PagePool:
         self._held.setdefault(owner, []).extend(new)
         return new
 
-    def reserve(self, owner: str, num_pages: int, hits: Sequence[int] = ()) -> list[int]:
+    def reserve(self, owner: str, num_pages: int, hits: Sequence[int] = (),
+                later: int = 0) -> list[int]:
         """Set pages aside for a transfer into them (decode side of PD), after the cached pages
-        `hits` it shares (which nothing writes into); returns the reserved ones."""
+        `hits` it shares (which nothing writes into), and promise `later` more for its
+        completion (`grow`, once committed); returns the reserved ones."""
         if owner in self._reserved or owner in self._held:
             raise PagePoolError(f"{owner} already has pages")
-        if not self.can_take(hits, num_pages):
-            raise PagePoolError(f"need {num_pages} pages, {self.num_available} available")
+        if not self.can_take(hits, num_pages + later):
+            raise PagePoolError(f"need {num_pages + later} pages, {self.num_available} available")
         if hits:
             self._share(hits)
             self._held[owner] = list(hits)
         pages = self._new(num_pages)
         self._reserved[owner] = pages
+        self._promise(owner, later)
         return pages
 
     def _share(self, hits: Sequence[int]) -> None:
@@ -214,12 +249,18 @@ class PagePool:
         held.extend(pages)
         return held
 
+    def promised_to(self, owner: str) -> int:
+        """Pages `owner` may still grow by."""
+        return self._promised.get(owner, 0)
+
     def pages_of(self, owner: str) -> list[int]:
         return self._held.get(owner, []) + self._reserved.get(owner, [])
 
     def free(self, owner: str) -> int:
         """Release every page `owner` holds or reserved, last first: a page nobody else holds is
-        free again, or evictable if cached. Safe to call twice; returns pages released."""
+        free again, or evictable if cached; its promise ends. Safe to call twice; returns pages
+        released."""
+        self.num_promised -= self._promised.pop(owner, 0)
         held = self._held.pop(owner, [])
         reserved = self._reserved.pop(owner, [])
         refs, key_of, lru, free = self._refs, self._key, self._lru, self._free
@@ -244,10 +285,16 @@ class PagePool:
         return list(self._held) + [o for o in self._reserved if o not in self._held]
 
     def check(self) -> None:
-        """Raise PagePoolError unless the invariant holds (`check_accounting`) and the cache's
-        maps agree with the pages."""
+        """Raise PagePoolError unless the invariant holds (`check_accounting`), the cache's maps
+        agree with the pages, and every promise can be kept."""
         check_accounting(self.num_pages, self._free, self._held.values(),
                          self._reserved.values(), self._lru, self._refs)
+        promised = self._promised.values()
+        if sum(promised) != self.num_promised or any(n <= 0 for n in promised) or \
+                self.num_promised > len(self._free) + len(self._lru) or \
+                any(o not in self._held and o not in self._reserved for o in self._promised):
+            raise PagePoolError(f"{self.num_promised} pages promised, "
+                                f"{len(self._free) + len(self._lru)} free or evictable")
         if any(p not in self._key for p in self._lru) or \
                 any(self._page.get(k) != p for p, k in self._key.items()) or \
                 len(self._page) != len(self._key) or any(p in self._key for p in self._free):

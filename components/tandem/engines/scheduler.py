@@ -4,8 +4,10 @@ the reference engine, its step thread's and the loop's, under the stepper's lock
 (tandem.engines.stepper).
 
 A sequence is admitted from the waiting queue (FIFO) only when the pool can give it pages for
-`max_total` tokens up front, so decode never runs out of pages mid-request. A step is: the running
-sequences that are ready to decode, plus newly admitted ones to prefill.
+`max_total` tokens: its prompt's pages now, the rest promised (tandem.engines.pages), each taken
+when a decode step first writes into it, so decode never runs out of pages mid-request and no
+cached page is evicted before it must be. A step is: the running sequences that are ready to
+decode, plus newly admitted ones to prefill.
 
 Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_cached]` sit in
 `pages`. Prefill computes `tokens[num_cached:]` and samples the first output token; decode feeds
@@ -13,11 +15,12 @@ Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_c
 
 Disaggregated serving (`pd`): a prefill-only sequence ("prefill") holds pages for its prompt only;
 after its prefill step it leaves the batch as SENDING, keeping its pages until its KV has been sent.
-A decode sequence ("decode") is admitted by *reserving* pages for `max_total` tokens; it waits as
-FETCHING, outside the batch but counted against `max_batch`, while its prompt's K/V is written into
-them, then `join` commits the pages and it runs with `num_cached == len(prompt_ids)`: it skips
-prefill, and its first token (the prefill side's) is recorded as a step's token is, by the Stepper's
-postprocess. (The handoff itself: tandem.engines.handoff.)
+A decode sequence ("decode") is admitted by *reserving* pages for its prompt (and a promise of
+the rest of `max_total` tokens); it waits as FETCHING, outside the batch but counted against
+`max_batch`, while its prompt's K/V is written into them, then `join` commits the pages and it
+runs with `num_cached == len(prompt_ids)`: it skips prefill, and its first token (the prefill
+side's) is recorded as a step's token is, by the Stepper's postprocess. (The handoff itself:
+tandem.engines.handoff.)
 
 Prefix cache (when the pool caches): at admission a sequence takes the cached pages of its
 prompt's leading full pages (`keys`, computed at submit; at most the pages before its last prompt
@@ -173,27 +176,30 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Pick the next step's work and mark it in flight."""
         decode: list[Sequence] = []
+        pool = self.pool
+        size = pool.page_size
         for s in self.running.values():
             if s.num_cached >= len(s.prompt_ids):  # its prompt is computed: it decodes
+                if len(s.pages) * size < s.num_tokens:  # its next K/V starts a page
+                    s.pages.append(pool.grow(s.owner))
                 s.in_flight = True
                 decode.append(s)
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
-        pool = self.pool
         while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
             seq = self.waiting[0]
             hits = self._hits(seq)
-            need = pool.pages_for(seq.max_total) - len(hits)
+            now, later = self._pages(seq, hits)
             if seq.pd == "decode":
-                if not self._reserve(seq, hits, need):
+                if not self._reserve(seq, hits, now, later):
                     break
                 batch.reserved.append(seq)
                 continue
-            new_tokens = len(seq.prompt_ids) - len(hits) * pool.page_size
-            if not pool.can_take(hits, need) or (batch.prefill and new_tokens > budget):
+            new_tokens = len(seq.prompt_ids) - len(hits) * size
+            if not pool.can_take(hits, now + later) or (batch.prefill and new_tokens > budget):
                 break
             self.waiting.popleft()
-            seq.pages = pool.take(seq.owner, hits, need)
+            seq.pages = pool.take(seq.owner, hits, now, later)
             self._admitted(seq, len(hits))
             seq.status = SeqStatus.RUNNING
             self.running[seq.owner] = seq
@@ -211,7 +217,7 @@ class Scheduler:
                and len(self.running) + len(self.fetching) < self.max_batch):
             seq = self.waiting[0]
             hits = self._hits(seq)
-            if not self._reserve(seq, hits, self.pool.pages_for(seq.max_total) - len(hits)):
+            if not self._reserve(seq, hits, *self._pages(seq, hits)):
                 break
             out.append(seq)
         return out
@@ -221,6 +227,12 @@ class Scheduler:
         if not seq.keys:
             return []
         return self.pool.match(seq.keys, (len(seq.prompt_ids) - 1) // self.pool.page_size)
+
+    def _pages(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
+        """The pages `seq` takes at admission (its prompt's, past the cached `hits`) and those it
+        is promised (the rest of its `max_total` tokens')."""
+        now = self.pool.pages_for(len(seq.prompt_ids)) - len(hits)
+        return now, self.pool.pages_for(seq.max_total) - len(hits) - now
 
     def _admitted(self, seq: Sequence, num_hits: int) -> None:
         pool = self.pool
@@ -234,11 +246,11 @@ class Scheduler:
         else:
             seq.num_cached = seq.cached_tokens = num_hits * pool.page_size
 
-    def _reserve(self, seq: Sequence, hits: list[int], need: int) -> bool:
-        if not self.pool.can_take(hits, need):
+    def _reserve(self, seq: Sequence, hits: list[int], now: int, later: int) -> bool:
+        if not self.pool.can_take(hits, now + later):
             return False
         self.waiting.popleft()
-        seq.pages = [*hits, *self.pool.reserve(seq.owner, need, hits)]
+        seq.pages = [*hits, *self.pool.reserve(seq.owner, now, hits, later)]
         self._admitted(seq, len(hits))
         seq.status = SeqStatus.FETCHING
         self.fetching[seq.owner] = seq
