@@ -83,8 +83,8 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
                  "(not computed)", of("cache_hits"), kind="counter")
     reg.callback("tandem_kv_pages_cached", "Cached KV pages no request holds (evictable)",
                  of("pages_cached"))
-    reg.callback("tandem_kv_pages_free", "KV pages a new request can get (free or cached)",
-                 of("pages_free"))
+    reg.callback("tandem_kv_pages_free", "KV pages a new request can get (free or cached, less "
+                 "those promised to running requests)", of("pages_free"))
 
     def count(field: str) -> Callable[[], Samples]:
         def read() -> Samples:
