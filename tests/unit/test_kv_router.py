@@ -114,6 +114,22 @@ def test_the_worker_that_holds_the_prefix_wins_until_its_load_outweighs_it() -> 
     assert kv.choose("agg", [a, b], PROMPT, P) is b
 
 
+def test_equal_costs_go_to_the_less_loaded_worker_not_the_first_in_the_pool() -> None:
+    """A new conversation costs the same everywhere while the loads the cost counts are equal:
+    the tie goes by least-loaded's order (the KV running requests hold, then free pages), never
+    by the pool's order, which favoured the first worker with every new session."""
+    kv = policy([0.0])
+    a, b, c = Worker("a"), Worker("b"), Worker("c")
+    for w in (a, b, c):
+        kv.index(w.address, P).events = True
+        w.num_in_flight = 2
+    a.active_decode_tokens, b.active_decode_tokens, c.active_decode_tokens = 900, 300, 300
+    b.load = Load(pages_free=40, pages_total=100)
+    assert kv.choose("agg", [a, b, c], PROMPT, P) is c  # 300 held; more pages free than b
+    c.num_in_flight = 3  # a cost of its own: 32 more
+    assert kv.choose("agg", [a, b, c], PROMPT, P) is b
+
+
 def test_the_last_prompt_page_is_always_computed() -> None:
     now = [0.0]
     kv = policy(now)

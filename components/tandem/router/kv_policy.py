@@ -6,7 +6,7 @@ Per candidate worker, in prompt tokens to compute:
     cost = prefill_weight * (queue_weight * its pending prefill + the prompt tokens it lacks)
          + decode_weight * the requests running on it
 
-and the lowest cost wins (ties: fewest requests in flight, then the pool's order). The pending
+and the lowest cost wins (ties: least-loaded's order, `policy.load_key`). The pending
 prefill counts a fraction (`queue_weight`, 0.25): an engine that batches prefills computes the
 queued ones in the same steps as the new one, so they delay it by less than their length, and
 counting them whole sends a request away from the worker that holds its prefix whenever that
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tandem.router.kv_index import EventLog, WorkerIndex
-from tandem.router.policy import Candidate, block_hashes, least_loaded
+from tandem.router.policy import Candidate, block_hashes, least_loaded, load_key
 
 __all__ = ["KvAware"]
 
@@ -114,7 +114,7 @@ class KvAware:
             pending = c.pending_prefill_tokens if role != "decode" else 0
             cost = pw * (qw * pending + n - overlap) + dw * c.num_in_flight
             if best is None or cost < best_cost or (cost == best_cost and
-                                                    c.num_in_flight < best.num_in_flight):
+                                                    load_key(c) < load_key(best)):
                 best, best_cost, best_overlap = c, cost, overlap
         assert best is not None
         self.overlaps[role] = best_overlap

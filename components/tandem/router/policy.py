@@ -50,10 +50,15 @@ class Policy(Protocol):
                session: str = "") -> None: ...
 
 
+def load_key(c: Candidate) -> tuple[int, int, int]:
+    """Least-loaded's order: fewest requests in flight, then fewest tokens to prefill and held by
+    running requests (their KV footprint), then most free pages."""
+    return (c.num_in_flight, c.pending_prefill_tokens + c.active_decode_tokens,
+            -c.load.pages_free)
+
+
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
-    return min(candidates, key=lambda c: (c.num_in_flight,
-                                          c.pending_prefill_tokens + c.active_decode_tokens,
-                                          -c.load.pages_free))
+    return min(candidates, key=load_key)
 
 
 class LeastLoaded:
