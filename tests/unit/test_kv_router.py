@@ -117,7 +117,7 @@ def test_the_worker_that_holds_the_prefix_wins_until_its_load_outweighs_it() -> 
 def test_equal_costs_go_to_the_less_loaded_worker_not_the_first_in_the_pool() -> None:
     """A new conversation costs the same everywhere while the loads the cost counts are equal:
     the tie goes by least-loaded's order (the KV running requests hold, then free pages), never
-    by the pool's order, which favoured the first worker with every new session."""
+    by the pool's order, which favoured the first worker with new sessions."""
     kv = policy([0.0])
     a, b, c = Worker("a"), Worker("b"), Worker("c")
     for w in (a, b, c):
