@@ -1,4 +1,4 @@
-"""Start a mock-engine cluster for a sweep, through the one local-cluster launcher
+"""Start a cluster for a sweep or a benchmark (the mock engine unless told otherwise), through the one local-cluster launcher
 (tandem.launcher): workers and a frontend as child processes on free loopback ports, known by PID,
 stopped by PID (SIGTERM, a deadline, then SIGKILL). Their CPU time (psutil, all threads) is what
 CPU-µs per streamed token is measured from."""
@@ -46,11 +46,12 @@ class Launched:
 
 
 def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
-           frontend_args: list[str], ready_timeout_s: float = 60.0) -> Launched:
+           frontend_args: list[str], ready_timeout_s: float = 60.0,
+           engine: str = "mock") -> Launched:
     """A frontend over one agg worker, or over one prefill and one decode worker."""
     os.makedirs(log_dir, exist_ok=True)
     quiet = ["--log-level", "WARNING"]
-    p = plan(Shape.parse(shape), model, worker_args=["--engine", "mock", *quiet, *worker_args],
+    p = plan(Shape.parse(shape), model, worker_args=["--engine", engine, *quiet, *worker_args],
              frontend_args=[*quiet, *frontend_args])
     # perf.bench_compare runs a baseline commit's servers under this tree's load generator.
     server_path = os.environ.get("TANDEM_SERVER_PYTHONPATH")

@@ -9,7 +9,7 @@ import contextlib
 import gc
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -96,9 +96,11 @@ def check(res: StreamResult, spec: LoadSpec, expected_text: str | None) -> str:
 
 
 async def run_level(spec: LoadSpec, concurrency: int, *, requests: int = 0, duration_s: float = 0,
-                    progress: Callable[[int, int], None] | None = None) -> LevelResult:
-    """Stream `requests` requests (or for `duration_s`) with `concurrency` in flight at once."""
-    body = spec.body()
+                    progress: Callable[[int, int], None] | None = None,
+                    bodies: Sequence[bytes] = ()) -> LevelResult:
+    """Stream `requests` requests (or for `duration_s`) with `concurrency` in flight at once;
+    every request sends `spec.body()`, or with `bodies` the i-th request bodies[i % len]."""
+    each = list(bodies) or [spec.body()]
     out = LevelResult(concurrency)
     issued = 0
     deadline = 0.0
@@ -116,6 +118,7 @@ async def run_level(spec: LoadSpec, concurrency: int, *, requests: int = 0, dura
         conn = Connection(spec.host, spec.port)
         try:
             while take():
+                body = each[(issued - 1) % len(each)]
                 out.results.append(await conn.post_stream(spec.path, body, spec.timeout_s))
         finally:
             await conn.close()

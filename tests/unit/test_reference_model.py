@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tandem.engines.reference.checkpoint import load_checkpoint, write_tiny_model
-from tandem.engines.reference.model import Llama, page_table
+from tandem.engines.reference.model import Decode, Llama, Prefill, page_table
 
 PROMPTS = [
     [0, 17],
@@ -108,6 +108,38 @@ def test_paged_prefill_and_decode_match_full_logits(model: Llama, page_size: int
         for row, i in enumerate(live):
             torch.testing.assert_close(logits[row], full[i][pos[i]], atol=1e-4, rtol=1e-4)
             pos[i] += 1
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_one_step_of_prefills_and_decode_rows_matches_full_logits(model: Llama,
+                                                                  page_size: int) -> None:
+    """What the engine runs each step: several prompts' prefills (one from scratch, one after
+    a cached prefix) and decode rows of others, in one pass through the layers."""
+    kv = model.new_kv_cache(num_pages=64, page_size=page_size)
+    full = [model.forward_full(torch.tensor(p)) for p in PROMPTS]
+    free = list(range(63, -1, -1))
+    pages = [[free.pop(3 * (i % 2)) for i in range(-(-len(p) // page_size))] for p in PROMPTS]
+    tables = [torch.tensor(p) for p in pages]
+    # Before the step: prompt 1 has its first 4 tokens cached, prompts 0 and 3 all but the last.
+    model.prefill(kv, torch.tensor(PROMPTS[1][:4]), tables[1])
+    for i in (0, 3):
+        model.prefill(kv, torch.tensor(PROMPTS[i][:-1]), tables[i])
+    prefills = [Prefill(tables[2], 0, len(PROMPTS[2])), Prefill(tables[1], 4, len(PROMPTS[1]) - 4)]
+    ids = PROMPTS[2] + PROMPTS[1][4:] + [PROMPTS[0][-1], PROMPTS[3][-1]]
+    pos = [len(PROMPTS[0]) - 1, len(PROMPTS[3]) - 1]
+    decode = Decode(page_table([pages[0], pages[3]]), torch.tensor(pos))
+    logits = model.step(kv, torch.tensor(ids), prefills, decode)
+    assert logits.shape == (4, model.config.vocab_size)
+    for row, (i, at) in enumerate([(2, -1), (1, -1), (0, pos[0]), (3, pos[1])]):
+        torch.testing.assert_close(logits[row], full[i][at], atol=1e-4, rtol=1e-4)
+    # The K/V it wrote are what later steps read: one more decode step over prompts 2 and 1.
+    nxt = [PROMPTS[2][-1], PROMPTS[1][-1]]
+    more = model.decode(kv, torch.tensor(nxt), torch.tensor([len(PROMPTS[2]), len(PROMPTS[1])]),
+                        page_table([pages[2], pages[1]]))
+    for row, i in enumerate((2, 1)):
+        seq = PROMPTS[i] + [nxt[row]]
+        torch.testing.assert_close(more[row], model.forward_full(torch.tensor(seq))[-1],
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_tokenizer_round_trips_utf8(model_dir: Path) -> None:

@@ -52,7 +52,8 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
                                output_mode=cfg.output_mode or None, handoff=handoff,
-                               prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv)
+                               prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
+                               threads=cfg.threads)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine
 

@@ -39,7 +39,7 @@ from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import grammar_param
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
 from tandem.engines.reference.grammar import Constraint, Grammars
-from tandem.engines.reference.model import Llama, page_table
+from tandem.engines.reference.model import Decode, Llama, Prefill, page_table
 from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
 from tandem.engines.scheduler import Batch, Sequence
 from tandem.engines.stepper import Stepper
@@ -67,7 +67,8 @@ class ReferenceEngine(Stepper):
                  handoff: HandoffSpec | None = None,
                  compute_hook: ComputeHook | None = None,
                  prefix_cache: bool = WorkerConfig.prefix_cache,
-                 check_pages: bool = WorkerConfig.check_kv) -> None:
+                 check_pages: bool = WorkerConfig.check_kv,
+                 threads: int = WorkerConfig.threads) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
         if page_size <= 0 or max_batch <= 0 or num_pages < 0:
@@ -96,6 +97,7 @@ class ReferenceEngine(Stepper):
                          output_mode=output_mode, max_prefill_tokens=max_prefill_tokens,
                          handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
         self.compute_hook = compute_hook
+        self.threads = threads
         self._model: Llama | None = None
         self.kv: torch.Tensor | None = None
         # Built beside the model's load and first steps (xgrammar's import takes most of a
@@ -137,6 +139,9 @@ class ReferenceEngine(Stepper):
         return self.grammars.constraint(req, self.name)
 
     def compute(self, batch: Batch) -> list[int]:
+        if self.threads and torch.get_num_threads() != self.threads:
+            # (on the step thread itself: with OpenMP the setting is the calling thread's)
+            torch.set_num_threads(self.threads)
         hook = self.compute_hook
         return self.model_step(batch) if hook is None else hook(batch, self.model_step)
 
@@ -146,18 +151,22 @@ class ReferenceEngine(Stepper):
         """Run the model for the batch and sample one token per sequence (prefill rows first)."""
         model, kv, dev = self._model, self.kv, self.device
         assert model is not None and kv is not None
-        rows: list[torch.Tensor] = []
+        ids: list[int] = []
+        prefills: list[Prefill] = []
         for seq in batch.prefill:
-            ids = torch.tensor(seq.prompt_ids[seq.num_cached:], dtype=torch.int64, device=dev)
-            pages = torch.tensor(seq.pages, dtype=torch.int64, device=dev)
-            rows.append(model.prefill(kv, ids, pages, start_pos=seq.num_cached)[None])
+            new = seq.prompt_ids[seq.num_cached:]
+            ids += new
+            prefills.append(Prefill(torch.tensor(seq.pages, dtype=torch.int64, device=dev),
+                                    seq.num_cached, len(new)))
+        decode = None
         if batch.decode:
             ds = batch.decode
-            last = torch.tensor([s.output_ids[-1] for s in ds], dtype=torch.int64, device=dev)
+            ids += [s.output_ids[-1] for s in ds]
             pos = torch.tensor([s.num_tokens - 1 for s in ds], dtype=torch.int64, device=dev)
             pages_used = [s.pages[: self.pool.pages_for(s.num_tokens)] for s in ds]
-            rows.append(model.decode(kv, last, pos, page_table(pages_used, dev)))
-        logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+            decode = Decode(page_table(pages_used, dev), pos)
+        # One pass for the whole step: every prefill and every decode row share the weights' reads.
+        logits = model.step(kv, torch.tensor(ids, dtype=torch.int64, device=dev), prefills, decode)
         seqs = batch.all()
         sample_rows = [SampleRow(s.sampling, s.seed, s.position, s.banned_ids(),
                                  s.origin_prompt, s.all_output, s.extras) for s in seqs]

