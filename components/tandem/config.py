@@ -153,10 +153,8 @@ class WorkerConfig(MockTiming, Common):
                          "it on with TANDEM_CHECK_KV=1)")
     device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
     threads: int = opt(0, "reference engine: torch's CPU threads for the model's math (0 = "
-                       "torch's default, one per core). Workers that share a machine's cores "
-                       "should split them, or their threads fight over the cores: `tandem up` "
-                       "gives each reference worker without a GPU its share unless this is given",
-                       type=non_negative_int)
+                       "torch's default, one per core; workers sharing a machine's cores may "
+                       "each take a share)", type=non_negative_int)
     output_mode: OutputMode | Literal[""] = opt(
         "", "how the engine reports token ids: all so far (cumulative) or only the new ones "
         "(incremental) (default: the engine's own: incremental for mock and reference, "

@@ -9,7 +9,7 @@ import unicodedata
 import urllib.request
 
 DEMO_MAX_TOKENS = 96
-DEMO_QUESTION = "Why is the sky blue? Answer in two sentences."
+DEMO_QUESTION = "Give me three tips for a good night's sleep."
 
 
 def printable(text: str) -> str:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import FrameType
 
 from tandem import demo, flags, gpus, launcher
@@ -112,22 +112,8 @@ def make_plan(cfg: UpConfig, fwd: Forwarded, keys: str = "",
                       worker_args=(*fwd.worker, *auth), elsewhere=cfg.worker_addresses,
                       frontend_args=(*fwd.frontend, *auth,  # while up waits, starting is no alarm
                                      "--worker-start-timeout", f"{cfg.ready_timeout_s:g}"))
-    p = gpus.with_gpus(p, cfg, engine=fwd.engine, device=fwd.device,
-                       engine_args=fwd.engine_args, found=found_gpus)
-    return share_cores(p, fwd)
-
-
-def share_cores(p: launcher.Plan, fwd: Forwarded, cores: int | None = None) -> launcher.Plan:
-    """Reference workers computing on this machine's CPU split its cores (`--threads`), unless
-    `--threads` was given: each would otherwise run one thread per core, and their threads would
-    fight (a 1P1D pair on 2 cores: each step of either waits on the other's)."""
-    on_cpu = [w for w in p.workers if not w.gpus]
-    if fwd.engine != "reference" or not on_cpu or "--threads" in fwd.worker:
-        return p
-    n = max(1, (cores or os.cpu_count() or 1) // len(on_cpu))
-    return replace(p, workers=tuple(
-        replace(w, argv=(*w.argv, "--threads", str(n))) if not w.gpus else w
-        for w in p.workers))
+    return gpus.with_gpus(p, cfg, engine=fwd.engine, device=fwd.device,
+                          engine_args=fwd.engine_args, found=found_gpus)
 
 
 def describe(p: launcher.Plan, cfg: UpConfig, fwd: Forwarded, auth: str) -> str:

@@ -79,9 +79,8 @@ def one(system: str, shape: str, levels: list[int], args: argparse.Namespace,
     t0 = time.monotonic()
     if system == "tandem":
         os.environ.update({"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo"})
-        threads = ["--threads", "1"] if shape == "1p1d" else []
         c = launch_tandem(shape, args.model, os.path.join(log_dir, f"tandem-{shape}"),
-                          worker_args=[*threads, *args.tandem_worker_args.split()],
+                          worker_args=args.tandem_worker_args.split(),
                           frontend_args=[], ready_timeout_s=180, engine="reference")
         url, model, stop = c.url, os.path.basename(args.model.rstrip("/")), c.stop
     else:

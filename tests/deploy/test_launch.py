@@ -310,24 +310,3 @@ def test_node_errors(model: str, args: list[str], message: str) -> None:
     res = script(NODE, "--dry-run", "--model", model, *args)
     assert res.returncode == 2 and message in res.stderr, res.stderr
 
-
-def test_cpu_reference_workers_split_the_cores(model: str) -> None:
-    """Each reference worker computing on the CPU gets its share of the cores (`--threads`);
-    given `--threads`, a mock engine, or workers on GPUs: nothing is added."""
-    from tandem import launcher
-    from tandem.up import Forwarded, share_cores
-
-    def threads(shape: str, engine: str = "reference", given: tuple[str, ...] = (),
-                cores: int = 8) -> list[str | None]:
-        p = launcher.plan(launcher.Shape.parse(shape), model, worker_args=given)
-        fwd = Forwarded(given, (), engine, "m")
-        return [flag(list(w.argv), "--threads") for w in share_cores(p, fwd, cores).workers]
-
-    assert threads("1p1d") == ["4", "4"]
-    assert threads("1p1d", cores=2) == ["1", "1"]
-    assert threads("agg") == ["8"]
-    assert threads("3agg", cores=2) == ["1", "1", "1"]  # (at least one each)
-    assert threads("1p1d", given=("--threads", "2")) == ["2", "2"]
-    assert threads("1p1d", engine="mock") == [None, None]
-    _, procs = dry(None, "--model", model, "--prefill", "1", "--decode", "1", "--gpus", "0,1")
-    assert [flag(p["argv"], "--threads") for p in procs[:2]] == [None, None]

@@ -86,9 +86,7 @@ def vocab_bytes(smollm2: str) -> list[bytes]:
 
 def _answer(c: Cluster, messages: list[dict] | None, prompt: list[int] | None,
             max_tokens: int = MAX_TOKENS) -> dict:
-    """A greedy chat answer with logprobs (a prompt of token ids goes through completions'
-    sibling: the chat API takes text only, so plain prompts are sent as chat-free completions
-    with logprobs=0 and their tokens' bytes are read from the chat-shaped check below)."""
+    """A greedy answer with logprobs: a chat (`messages`), or a completion of token ids."""
     body: dict = {"model": _model(c), "max_tokens": max_tokens, "temperature": 0}
     if messages is not None:
         return _post(c, "/v1/chat/completions",
@@ -111,17 +109,15 @@ def _check_chat(resp: dict, want: Expected, vocab: list[bytes]) -> None:
     assert worst <= LOGPROB_TOL, (worst, lps, want.logprobs)
 
 
-def _check_text(resp: dict, want: Expected, vocab: list[bytes], hf: Transformers) -> None:
+def _check_text(resp: dict, want: Expected, hf: Transformers) -> None:
+    """Completions' logprobs name tokens by text, not bytes: the text, the token count and each
+    token's logprob pin the ids down (another split of the same text has other logprobs)."""
     choice = resp["choices"][0]
-    n = len(choice["logprobs"]["token_logprobs"])
-    ids = want.ids[:n]
-    assert choice["text"] == hf.tok.decode(ids, skip_special_tokens=True)
-    # Completions' logprobs name tokens by text; their count and values pin the ids down with
-    # the text (a different split of the same text would give other logprobs).
-    assert n == resp["usage"]["completion_tokens"] == len(want.ids) - (
-        1 if choice["finish_reason"] == "stop" and n < len(want.ids) else 0)
-    worst = max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"],
-                                           want.logprobs))
+    lps = choice["logprobs"]["token_logprobs"]
+    assert choice["finish_reason"] == "length" and len(want.ids) == MAX_TOKENS  # (no EOS here)
+    assert len(lps) == resp["usage"]["completion_tokens"] == MAX_TOKENS
+    assert choice["text"] == hf.tok.decode(want.ids, skip_special_tokens=True)
+    worst = max(abs(a - b) for a, b in zip(lps, want.logprobs))
     assert worst <= LOGPROB_TOL, worst
 
 
@@ -142,7 +138,7 @@ def _run_all(c: Cluster, hf: Transformers, vocab: list[bytes]) -> None:
     for t, resp in zip(CHATS, chat_resps):
         _check_chat(resp, _expected_chat(hf, t), vocab)
     for ids, resp in zip(texts, text_resps):
-        _check_text(resp, hf.greedy(ids, MAX_TOKENS), vocab, hf)
+        _check_text(resp, hf.greedy(ids, MAX_TOKENS), hf)
 
 
 @pytest.mark.parametrize("shape", ["agg", "pd"])

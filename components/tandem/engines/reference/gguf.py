@@ -134,7 +134,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, *, force: bool = False,
         raise ConvertError(f"converting {summary.path} needs {e.name}: {NEEDS}") from e
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # (this function says what it does, once per stage)
+    hf_logging.disable_progress_bar()  # (the GGUF loader's own bar, a plain tqdm, stays)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
