@@ -163,6 +163,10 @@ class FakeEngine:
         if rid in self.reqs:
             raise ValueError(f"Duplicate request ID: {rid}")
         req = self.reqs[rid] = _Req(rid, prompt, sp, bootstrap)
+        if {"json_schema", "regex", "ebnf"} & set(sp):  # live, with --skip-tokenizer-init
+            self.finish(req, {"type": "abort", "status_code": 400, "message": "Grammar-based "
+                              "generation (json_schema, regex, ebnf, structural_tag) is not "
+                              "supported when the server is launched with --grammar-backend none"})
         if self.mode != "null" and bootstrap[2] is None:
             self.finish(req, {"type": "abort", "message": "bootstrap room required",
                               "status_code": 400})

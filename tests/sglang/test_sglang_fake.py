@@ -133,7 +133,9 @@ async def test_what_sglang_refuses_or_crashes_on_is_refused_at_submit() -> None:
 
 
 @pytest.mark.parametrize(("sampling", "param"), [({"min_tokens": 2}, "min_tokens"),
-                                                 ({"seed": 7}, "seed")])
+                                                 ({"seed": 7}, "seed"),
+                                                 ({"json_schema": "{}"}, "json_schema"),
+                                                 ({"regex": "a+"}, "regex")])
 async def test_sampling_sglang_cannot_honour_is_refused_naming_it(sampling: dict[str, int],
                                                                   param: str) -> None:
     engine = await make(World())

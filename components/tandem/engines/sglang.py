@@ -55,6 +55,7 @@ from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines import sglang_cpu
 from tandem.engines.base import ModelSpec
+from tandem.engines.grammars import refuse
 from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
 from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
@@ -200,8 +201,8 @@ _SIGQUIT: list[Callable[[], None]] = []  # the live engine's (at most one per pr
 
 
 def on_sigquit(signum: int, frame: FrameType | None) -> None:
-    """SGLang's SIGQUIT in its launch phase (a child died). A module-level function: ServerArgs holds
-    it and is pickled into SGLang's spawned processes, which cannot pickle a closure."""
+    """SGLang's SIGQUIT in its launch phase (a child died). Module-level: ServerArgs holds it and
+    is pickled into SGLang's spawned processes, which cannot pickle a closure."""
     for callback in _SIGQUIT:
         callback()
 
@@ -219,9 +220,8 @@ class SGLangEngine(IteratorEngine):
         self.opts = opts
         self.output_mode = opts.output_mode
         self.page_size = opts.page_size
-        # SGLang's pool: --max-total-tokens when tandem sets it (--num-pages, or the CPU default),
-        # else sized by SGLang from GPU memory in its scheduler process, where tandem cannot read
-        # it cheaply (0).
+        # SGLang's pool: --max-total-tokens when tandem sets it (--num-pages, the CPU default),
+        # else sized by SGLang in its scheduler process, where tandem cannot read it cheaply (0).
         self.num_pages = opts.pool_pages
         self.spec = ModelSpec(name=os.path.basename(os.path.normpath(opts.model)), max_context=0)
         self._factory = engine_factory
@@ -241,7 +241,6 @@ class SGLangEngine(IteratorEngine):
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-
         def died() -> None:
             loop.call_soon_threadsafe(self._scheduler_died)
 
@@ -327,8 +326,7 @@ class SGLangEngine(IteratorEngine):
             raise EngineRequestError("the prompt is empty")
         vocab = self.spec.vocab_size  # an id past it crashes SGLang's scheduler (seen live)
         if vocab and max(req.prompt_ids) >= vocab:
-            raise EngineRequestError(f"token id {max(req.prompt_ids)} is out of the model's "
-                                     f"vocabulary ({vocab})")
+            raise EngineRequestError(f"token id {max(req.prompt_ids)} is past the vocabulary")
         limit = self.spec.max_context  # SGLang's own checks, made before anything is held
         if limit and len(req.prompt_ids) >= limit:
             raise EngineRequestError(f"the prompt ({len(req.prompt_ids)} tokens) is longer than "
@@ -338,6 +336,7 @@ class SGLangEngine(IteratorEngine):
                                      f"({req.sampling.max_tokens}) exceed the model's context "
                                      f"length ({limit})", param="max_tokens")
         check_sampling(req.sampling, self.spec.vocab_size)
+        refuse(req.sampling, self.name, " (tandem tokenizes, so SGLang has no grammar backend)")
         sampling_dict(req.sampling, deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
