@@ -43,6 +43,7 @@ import logging
 import os
 import signal
 import uuid
+from multiprocessing import resource_tracker
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -101,9 +102,8 @@ class SGLangOptions:
     @property
     def pool_pages(self) -> int:
         """SGLang's KV pool in pages (--max-total-tokens / page size; 0 = SGLang sizes it)."""
-        if sglang_cpu.is_cpu(self.device):
-            return sglang_cpu.num_pages(self.num_pages, self.page_size)
-        return self.num_pages
+        cpu = sglang_cpu.is_cpu(self.device)
+        return sglang_cpu.num_pages(self.num_pages, self.page_size) if cpu else self.num_pages
 
 
 # --- ServerArgs -----------------------------------------------------------------------------------
@@ -190,8 +190,8 @@ def _default_factory(server_args: Any) -> Any:
     except ImportError:
         gpus = 0
     if gpus == 0 and not sglang_cpu.is_cpu(getattr(server_args, "device", "")):
-        raise SGLangSetupError("--engine sglang needs a CUDA GPU and this machine has none "
-                               "(--device cpu: SGLang's CPU engine)")
+        raise SGLangSetupError("--engine sglang needs a CUDA GPU or --device cpu (SGLang's CPU "
+                               "engine), and this machine has no GPU")
     import sglang
 
     return sglang.Engine(server_args=server_args)
@@ -261,8 +261,9 @@ class SGLangEngine(IteratorEngine):
             raise
         except Exception as e:
             raise EngineError(f"SGLang failed to start: {e!r}") from e
-        finally:
-            self._children = [p for p in me.children() if p.pid not in before]
+        finally:  # (spawn's resource tracker ignores SIGTERM and ends with us: not SGLang's)
+            tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+            self._children = [p for p in me.children() if p.pid not in {*before, tracker}]
         atexit.unregister(self._engine.shutdown)  # it would SIGKILL every child of this process
         tm = self._engine.tokenizer_manager
         if not hasattr(tm, "signal_handler_class"):
@@ -284,9 +285,8 @@ class SGLangEngine(IteratorEngine):
         self._mark_started()
 
     def load(self) -> Load:
-        """The adapter's accounting (IteratorEngine.load), and as waiting the requests SGLang still
-        holds after tandem let them go (an abort on its way through SGLang's scheduler, which
-        frees their KV when it ends them): an idle worker is idle in SGLang too."""
+        """IteratorEngine.load, and as waiting the requests SGLang holds after tandem let them go
+        (an abort on its way through SGLang, which frees their KV): idle is idle in SGLang too."""
         load = super().load()
         held = len(getattr(getattr(self._engine, "tokenizer_manager", None), "rid_to_state", ()))
         extra = held - len(self._live)
