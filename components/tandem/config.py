@@ -31,6 +31,7 @@ from tandem.converters import (
     address_list, gpu_list, key_dir, model_dir, non_negative_float, non_negative_int,
     port, port_or_zero, positive_float, positive_int,
 )
+from tandem.engines.sglang_cpu import DEVICE_HELP
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
 from tandem.runtime.wire import OutputMode, Role, SamplingParams
 
@@ -151,7 +152,7 @@ class WorkerConfig(MockTiming, Common):
     check_kv: bool = opt(False, "check the KV page accounting after every engine step and stop "
                          "the worker if it is broken (slow: for debugging; the test suite turns "
                          "it on with TANDEM_CHECK_KV=1)")
-    device: str = opt("cpu", "torch device for the reference engine: cpu, cuda, cuda:N")
+    device: str = opt("", DEVICE_HELP)
     threads: int = opt(0, "reference engine: torch's CPU threads for the model's math (0 = "
                        "torch's default, one per core; workers sharing a machine's cores may "
                        "each take a share)", type=non_negative_int)
@@ -324,11 +325,11 @@ class UpGpus:
 
     gpus: tuple[str, ...] = opt((), "GPU ids to hand out in order, aggregated or prefill workers "
                                 "first, then decode; GPUs are handed out when this is given or a "
-                                "worker needs them (--engine sglang, --device cuda, a TP above 1) "
+                                "worker needs them (sglang not on cpu, --device cuda, TP above 1) "
                                 "(default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
                                 type=gpu_list, metavar="LIST")
     cpu: bool = opt(False, "hand out no GPUs: every worker gets an empty CUDA_VISIBLE_DEVICES "
-                    "(--engine mock or reference on CPU)")
+                    "(mock, reference; sglang workers get --device cpu: SGLang's CPU engine)")
     tp: int = opt(1, "GPUs per worker, every role (SGLang gets it as --tp-size)", type=positive_int)
     prefill_tp: int = opt(0, "GPUs per prefill worker (0 = --tp)", type=non_negative_int)
     decode_tp: int = opt(0, "GPUs per decode worker (0 = --tp)", type=non_negative_int)

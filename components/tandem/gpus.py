@@ -3,10 +3,11 @@ CUDA_VISIBLE_DEVICES, handed out in the plan's order: aggregated or prefill work
 decode), and what its engine is told so that it uses them (the reference engine's `--device cuda`,
 SGLang's `--tp-size`).
 
-GPUs are handed out when `--gpus` is given or a worker needs them (`--engine sglang`, `--device
-cuda`, a TP above 1); then the list is `--gpus`, else $CUDA_VISIBLE_DEVICES, else every GPU
-nvidia-smi lists. `--cpu` hands out none: each worker gets an empty CUDA_VISIBLE_DEVICES.
-Otherwise the workers inherit this process's environment as it is.
+GPUs are handed out when `--gpus` is given or a worker needs them (`--engine sglang` without
+`--device cpu`, `--device cuda`, a TP above 1); then the list is `--gpus`, else
+$CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists. `--cpu` hands out none: each worker gets an
+empty CUDA_VISIBLE_DEVICES, and SGLang workers `--device cpu` (SGLang's CPU engine). Otherwise the
+workers inherit this process's environment as it is.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def with_gpus(p: Plan, cfg: UpGpus, *, engine: str, device: str = "",
     ValueError names what cannot be done."""
     tps = [cfg.tp_of(w.role) for w in p.workers]
     why = [what for what, on in (("--gpus", bool(cfg.gpus)),
-                                 ("--engine sglang", engine == "sglang"),
+                                 ("--engine sglang", engine == "sglang" and device != "cpu"
+                                  and not cfg.cpu),
                                  (f"--device {device}", device.startswith("cuda")),
                                  ("a TP above 1", max(tps, default=1) > 1)) if on]
     if engine == "sglang" and any(a.split("=")[0] in SGLANG_TP_FLAGS for a in engine_args):
@@ -91,6 +93,7 @@ def with_gpus(p: Plan, cfg: UpGpus, *, engine: str, device: str = "",
     workers = []
     for w, tp, mine in zip(p.workers, tps, sets):
         extra = ["--device", "cuda"] if mine and engine == "reference" and not device else []
+        extra += ["--device", "cpu"] if cfg.cpu and engine == "sglang" and not device else []
         extra += ["--tp-size", str(tp)] if engine == "sglang" else []
         workers.append(replace(w, argv=(*w.argv, *extra, *engine_args), gpus=mine,
                                env=() if mine is None else ((ENV, ",".join(mine)),)))

@@ -174,6 +174,20 @@ def test_cpu_hands_out_no_gpus_and_mock_alone_leaves_the_environment_as_it_is(mo
     assert [(p["gpus"], p["env"]) for p in procs] == [("-", {})] * 3
 
 
+def test_sglang_on_cpu_needs_no_gpus(model: str) -> None:
+    """`--cpu` (or `--device cpu`) plans SGLang's CPU engine: no GPUs, each worker --device cpu."""
+    _, procs = dry(SINGLE, "--model", model, "--cpu", "--engine", "sglang", "--prefill", "1",
+                   "--decode", "1", "--no-auth", "--", "--dtype", "float32")
+    check_consistent(procs)
+    for p in procs[:2]:
+        assert p["gpus"] == "none" and p["env"] == {"CUDA_VISIBLE_DEVICES": ""}
+        assert flag(p["argv"], "--device") == "cpu" and p["argv"][-2:] == ["--dtype", "float32"]
+        assert parse(p["argv"]).config.device == "cpu"  # type: ignore[union-attr]
+    _, procs = dry(None, "--model", model, "--engine", "sglang", "--device", "cpu",
+                   env={"PATH": "/usr/bin:/bin"})  # no nvidia-smi needed
+    assert procs[0]["gpus"] == "-" and flag(procs[0]["argv"], "--device") == "cpu"
+
+
 def test_every_process_gets_the_clusters_keys(model: str, tmp_path: Path) -> None:
     head, procs = dry(None, "--model", model, "--prefill", "1", "--decode", "1", "--frontends", "2")
     assert head["auth"] == "new key pair"  # made at start, in a private directory
@@ -228,7 +242,8 @@ def test_wildcard_hosts_advertise_loopback(model: str) -> None:
     (["--prefill", "1", "--decode", "0"], "needs both --prefill N and --decode M"),
     (["--prefill", "0", "--decode", "0"], "the frontends need --worker-addresses"),
     (["--cpu", "--host", "0.0.0.0", "--no-auth"], "--no-auth: 0.0.0.0 is beyond loopback"),
-    (["--cpu", "--engine", "sglang"], "--cpu hands out no GPUs, but --engine sglang needs them"),
+    (["--cpu", "--engine", "sglang", "--device", "cuda"],
+     "--cpu hands out no GPUs, but --device cuda needs them"),
     (["--gpus", "0,1", "--engine", "sglang", "--", "--tp-size", "2"], "remove --tp-size"),
     (["--gpus", "0,1", "--device", "cuda:1"], "--device cuda:1: each worker sees only its own"),
     (["--prefill", "0", "--decode", "0", "--workers", "dns://tandem-decode:7100"],

@@ -106,6 +106,11 @@ class FakeTokenizerManager:
         self.handlers: Any = None
         self.crashed = False
 
+    @property
+    def rid_to_state(self) -> dict[str, _Req]:
+        """SGLang's requests in flight, by rid (until their last item is taken)."""
+        return self.engine.reqs
+
     def auto_create_handle_loop(self) -> None:
         if self.handlers is None:
             self.handlers = self.signal_handler_class(self)
@@ -150,13 +155,18 @@ class FakeEngine:
             raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
         if not prompt:
             raise ValueError("The input_ids is empty")
-        if max(prompt) >= VOCAB:
-            raise ValueError(f"token id {max(prompt)} is out of the vocabulary ({VOCAB})")
+        if max(prompt) >= VOCAB:  # live: the scheduler process dies (IndexError)
+            self.world.crash()
+            raise RuntimeError("SGLang's scheduler process died")
         if len(prompt) + int(sp.get("max_new_tokens", 128)) > self.tokenizer_manager.context_len:
             raise ValueError("the request is longer than the model's context length")
         if rid in self.reqs:
             raise ValueError(f"Duplicate request ID: {rid}")
         req = self.reqs[rid] = _Req(rid, prompt, sp, bootstrap)
+        if {"json_schema", "regex", "ebnf"} & set(sp):  # live, with --skip-tokenizer-init
+            self.finish(req, {"type": "abort", "status_code": 400, "message": "Grammar-based "
+                              "generation (json_schema, regex, ebnf, structural_tag) is not "
+                              "supported when the server is launched with --grammar-backend none"})
         if self.mode != "null" and bootstrap[2] is None:
             self.finish(req, {"type": "abort", "message": "bootstrap room required",
                               "status_code": 400})

@@ -48,7 +48,8 @@ def test_the_installed_sglang_is_the_tested_release() -> None:
 
 def test_every_field_the_adapter_sets_exists() -> None:
     names = fields()
-    for dest in [*OWNED, "custom_sigquit_handler", "host", "log_level",
+    for dest in [*OWNED, "custom_sigquit_handler", "host", "log_level", "disable_overlap_schedule",
+                 "base_gpu_id",
                  "disaggregation_transfer_backend", "enable_deterministic_inference"]:
         assert dest in names, f"ServerArgs has no field {dest!r}"
     assert "stream_output" not in names  # renamed incremental_streaming_output in 0.5.10
@@ -73,6 +74,20 @@ def test_server_args_through_sglangs_own_argparse(role: str, mode: str) -> None:
     assert sa.tp_size == 1 and sa.mem_fraction_static == 0.7  # SGLang's own flags pass through
     if role == "prefill":
         assert sa.disaggregation_bootstrap_port == 9001
+
+
+@pytest.mark.parametrize(("device", "cuda_id"), [("cpu", None), ("cuda", 0), ("cuda:2", 2)])
+def test_the_device_through_sglangs_own_argparse(device: str, cuda_id: int | None) -> None:
+    from tandem.engines.sglang_cpu import DEFAULT_MAX_TOTAL_TOKENS
+
+    sa = build_server_args(SGLangOptions(model="/m", device=device))
+    assert sa.device == device.partition(":")[0]
+    assert sa.disable_overlap_schedule is (device == "cpu")
+    assert sa.max_total_tokens == (DEFAULT_MAX_TOTAL_TOKENS if device == "cpu" else None)
+    if cuda_id is not None:
+        assert sa.base_gpu_id == cuda_id
+    with pytest.raises(SGLangSetupError, match="--device"):
+        build_server_args(SGLangOptions(model="/m", device=device, engine_args=("--device", "xpu")))
 
 
 def test_sglang_flags_override_the_soft_defaults() -> None:
@@ -100,9 +115,10 @@ def test_every_flag_tandem_passes_is_one_of_sglangs() -> None:
 
     parser = sglang_parser()
     known = {s for a in parser._actions for s in a.option_strings}
-    argv = server_argv(SGLangOptions(model="/m", role="prefill", output_mode="incremental",
-                                     max_batch=1, num_pages=1, bootstrap_port=1))
-    assert {a for a in argv if a.startswith("--")} <= known
+    for device in ("cpu", "cuda:1"):
+        argv = server_argv(SGLangOptions(model="/m", role="prefill", output_mode="incremental",
+                                         max_batch=1, num_pages=1, bootstrap_port=1, device=device))
+        assert {a for a in argv if a.startswith("--")} <= known
     assert {flag for flag, _ in OWNED.values()} <= known
 
 
@@ -229,8 +245,8 @@ def test_tokenizer_manager_names_the_adapter_relies_on() -> None:
                and n.name == "TokenizerManager")
     body = ast.unparse(cls)
     for attr in ("signal_handler_class", "asyncio_tasks", "context_len", "model_config",
-                 "_subprocess_watchdog"):
-        assert f"self.{attr} =" in body, attr
+                 "_subprocess_watchdog", "rid_to_state"):
+        assert f"self.{attr} =" in body or f"self.{attr}:" in body, attr
     loop = ast.unparse(_method(tree, "TokenizerManager", "auto_create_handle_loop"))
     assert "self.signal_handler_class(self)" in loop
     _method(_source("sglang.srt.entrypoints.engine"), "Engine", "shutdown")

@@ -5,8 +5,9 @@ What it owns:
 - Building SGLang's `ServerArgs` with SGLang's own argparse: tandem's settings become SGLang flags
   (model, page size, role -> `--disaggregation-mode`, output mode -> `--incremental-streaming-output`,
   `--skip-tokenizer-init` since tandem tokenizes, max batch, pool size, bootstrap host/port, log
-  level, nixl transfer), then `engine_args` (every SGLang flag tandem did not parse) follow and
-  override the soft defaults (log level, transfer backend, bootstrap bind host). A flag that would
+  level, nixl transfer, device; `--device cpu` adds what SGLang's CPU engine needs, all of it in
+  `tandem.engines.sglang_cpu`), then `engine_args` (every SGLang flag tandem did not parse) follow
+  and override the soft defaults (log level, transfer backend, bootstrap bind host). A flag that would
   change what tandem owns, an unknown flag or a bad choice is a `SGLangSetupError` naming it.
 - Requests: each gets a fresh 32-hex rid for SGLang (SGLang aborts by rid PREFIX, so rids of one
   length never abort each other); tandem's sampling maps to SGLang's keys or is refused naming the
@@ -42,20 +43,24 @@ import logging
 import os
 import signal
 import uuid
+from multiprocessing import resource_tracker
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
+import msgspec
 import psutil
 
 from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
+from tandem.engines import sglang_cpu
 from tandem.engines.base import ModelSpec
+from tandem.engines.grammars import refuse
 from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
 from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
-from tandem.runtime.wire import OutputMode, Role
+from tandem.runtime.wire import Load, OutputMode, Role
 
 log = logging.getLogger("tandem.engines.sglang")
 
@@ -83,6 +88,7 @@ class SGLangOptions:
     advertise_host: str = ""  # where decode engines reach the bootstrap server (default: host)
     bootstrap_port: int = 0  # prefill: SGLang's --disaggregation-bootstrap-port (0 = SGLang's)
     log_level: str = WorkerConfig.log_level
+    device: str = WorkerConfig.device  # "" = SGLang's own (CUDA); "cpu": SGLang's CPU engine
     engine_args: tuple[str, ...] = ()
 
     @classmethod
@@ -91,7 +97,13 @@ class SGLangOptions:
                    page_size=cfg.page_size, max_batch=cfg.max_batch, num_pages=cfg.num_pages,
                    host=cfg.host, advertise_host=cfg.advertise_host,
                    bootstrap_port=cfg.bootstrap_port, log_level=cfg.log_level,
-                   engine_args=tuple(cfg.engine_args))
+                   device=cfg.device, engine_args=tuple(cfg.engine_args))
+
+    @property
+    def pool_pages(self) -> int:
+        """SGLang's KV pool in pages (--max-total-tokens / page size; 0 = SGLang sizes it)."""
+        cpu = sglang_cpu.is_cpu(self.device)
+        return sglang_cpu.num_pages(self.num_pages, self.page_size) if cpu else self.num_pages
 
 
 # --- ServerArgs -----------------------------------------------------------------------------------
@@ -104,6 +116,7 @@ OWNED = {"model_path": ("--model-path", "--model"), "page_size": ("--page-size",
          "incremental_streaming_output": ("--incremental-streaming-output", "--output-mode"),
          "max_running_requests": ("--max-running-requests", "--max-batch"),
          "max_total_tokens": ("--max-total-tokens", "--num-pages"),
+         "device": ("--device", "--device"),
          "disaggregation_bootstrap_port": ("--disaggregation-bootstrap-port", "--bootstrap-port")}
 
 
@@ -118,8 +131,14 @@ def server_argv(opts: SGLangOptions) -> list[str]:
         argv += ["--disaggregation-transfer-backend", "nixl"]
     if opts.max_batch:
         argv += ["--max-running-requests", str(opts.max_batch)]
-    if opts.num_pages:
-        argv += ["--max-total-tokens", str(opts.num_pages * opts.page_size)]
+    if opts.pool_pages:
+        argv += ["--max-total-tokens", str(opts.pool_pages * opts.page_size)]
+    if sglang_cpu.is_cpu(opts.device):
+        argv += sglang_cpu.CPU_FLAGS
+    elif opts.device:  # cuda, cuda:N
+        argv += ["--device", "cuda"]
+        if opts.device.startswith("cuda:"):
+            argv += ["--base-gpu-id", opts.device.partition(":")[2]]
     if opts.bootstrap_port:
         argv += ["--disaggregation-bootstrap-port", str(opts.bootstrap_port)]
     return argv
@@ -170,11 +189,22 @@ def _default_factory(server_args: Any) -> Any:
         gpus = torch.cuda.device_count()
     except ImportError:
         gpus = 0
-    if gpus == 0:
-        raise SGLangSetupError("--engine sglang needs a CUDA GPU and this machine has none")
+    if gpus == 0 and not sglang_cpu.is_cpu(getattr(server_args, "device", "")):
+        raise SGLangSetupError("--engine sglang needs a CUDA GPU or --device cpu (SGLang's CPU "
+                               "engine), and this machine has no GPU")
     import sglang
 
     return sglang.Engine(server_args=server_args)
+
+
+_SIGQUIT: list[Callable[[], None]] = []  # the live engine's (at most one per process)
+
+
+def on_sigquit(signum: int, frame: FrameType | None) -> None:
+    """SGLang's SIGQUIT in its launch phase (a child died). Module-level: ServerArgs holds it and
+    is pickled into SGLang's spawned processes, which cannot pickle a closure."""
+    for callback in _SIGQUIT:
+        callback()
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -190,9 +220,9 @@ class SGLangEngine(IteratorEngine):
         self.opts = opts
         self.output_mode = opts.output_mode
         self.page_size = opts.page_size
-        # SGLang's pool: --max-total-tokens when tandem sets it (--num-pages), else sized by SGLang
-        # from GPU memory in its scheduler process, where tandem cannot read it cheaply (0).
-        self.num_pages = opts.num_pages
+        # SGLang's pool: --max-total-tokens when tandem sets it (--num-pages, the CPU default),
+        # else sized by SGLang in its scheduler process, where tandem cannot read it cheaply (0).
+        self.num_pages = opts.pool_pages
         self.spec = ModelSpec(name=os.path.basename(os.path.normpath(opts.model)), max_context=0)
         self._factory = engine_factory
         self._build_args = server_args_builder
@@ -211,10 +241,12 @@ class SGLangEngine(IteratorEngine):
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-
-        def on_sigquit(signum: int, frame: FrameType | None) -> None:  # launch phase
+        def died() -> None:
             loop.call_soon_threadsafe(self._scheduler_died)
 
+        _SIGQUIT[:] = [died]
+        if sglang_cpu.is_cpu(self.opts.device):
+            sglang_cpu.prepare()
         try:
             server_args = self._build_args(self.opts, on_sigquit)
         except ImportError as e:
@@ -229,8 +261,9 @@ class SGLangEngine(IteratorEngine):
             raise
         except Exception as e:
             raise EngineError(f"SGLang failed to start: {e!r}") from e
-        finally:
-            self._children = [p for p in me.children() if p.pid not in before]
+        finally:  # (spawn's resource tracker ignores SIGTERM and ends with us: not SGLang's)
+            tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+            self._children = [p for p in me.children() if p.pid not in {*before, tracker}]
         atexit.unregister(self._engine.shutdown)  # it would SIGKILL every child of this process
         tm = self._engine.tokenizer_manager
         if not hasattr(tm, "signal_handler_class"):
@@ -250,6 +283,16 @@ class SGLangEngine(IteratorEngine):
             port = getattr(server_args, "disaggregation_bootstrap_port", self.opts.bootstrap_port)
             self.bootstrap_addr = f"{self.opts.advertise_host or self.opts.host}:{port}"
         self._mark_started()
+
+    def load(self) -> Load:
+        """IteratorEngine.load, and as waiting the requests SGLang holds after tandem let them go
+        (an abort on its way through SGLang, which frees their KV): idle is idle in SGLang too."""
+        load = super().load()
+        held = len(getattr(getattr(self._engine, "tokenizer_manager", None), "rid_to_state", ()))
+        extra = held - len(self._live)
+        if extra > 0:
+            load = msgspec.structs.replace(load, waiting=load.waiting + extra)
+        return load
 
     def _signal_handlers(self, tokenizer_manager: Any) -> Any:
         """What SGLang's TokenizerManager registers on the event loop (running phase)."""
@@ -281,6 +324,9 @@ class SGLangEngine(IteratorEngine):
             raise EngineRequestError("an aggregated sglang worker takes no bootstrap")
         if not req.prompt_ids:
             raise EngineRequestError("the prompt is empty")
+        vocab = self.spec.vocab_size  # an id past it crashes SGLang's scheduler (seen live)
+        if vocab and max(req.prompt_ids) >= vocab:
+            raise EngineRequestError(f"token id {max(req.prompt_ids)} is past the vocabulary")
         limit = self.spec.max_context  # SGLang's own checks, made before anything is held
         if limit and len(req.prompt_ids) >= limit:
             raise EngineRequestError(f"the prompt ({len(req.prompt_ids)} tokens) is longer than "
@@ -290,6 +336,7 @@ class SGLangEngine(IteratorEngine):
                                      f"({req.sampling.max_tokens}) exceed the model's context "
                                      f"length ({limit})", param="max_tokens")
         check_sampling(req.sampling, self.spec.vocab_size)
+        refuse(req.sampling, self.name, " (tandem tokenizes, so SGLang has no grammar backend)")
         sampling_dict(req.sampling, deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:

@@ -74,7 +74,7 @@ class ReferenceEngine(Stepper):
         if page_size <= 0 or max_batch <= 0 or num_pages < 0:
             raise ValueError("page_size and max_batch must be positive, num_pages >= 0")
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
+        self.device = torch.device(device or "cpu")  # "": the config's default, the CPU
         self.dtype = _DTYPES[dtype]
         try:
             self.config = cfg = read_config(self.model_dir)
