@@ -28,7 +28,7 @@ def measure(pages: int, page: int, caching: bool) -> int:
     held = pool.take("a", [], pages)
     if caching:
         pool.publish(held, keys, 0, pages, lambda a, b: tokens[a:b])
-        pool.events.clear()
+        pool.take_events()
     pool.free("a")
     del tokens, keys, held
     gc.collect()

@@ -46,7 +46,7 @@ def test_shared_pages_count_once_and_are_cached_when_released() -> None:
     a = pool.take("a", [], 3)
     keys = page_keys(tokens(0, 12), 4)
     pool.publish(a, keys, 0, 2, lambda x, y: tokens(x, y))
-    assert pool.events == [BlockStored(block_hashes=[event_hash(keys[0]), event_hash(keys[1])],
+    assert pool.take_events() == [BlockStored(block_hashes=[event_hash(keys[0]), event_hash(keys[1])],
                                        parent_block_hash=None, token_ids=tokens(0, 8),
                                        block_size=4)]
     hits = pool.match(keys, 3)
@@ -69,10 +69,10 @@ def test_eviction_takes_the_deepest_least_recently_released_page_first() -> None
     a = pool.take("a", [], 3)
     pool.publish(a, keys, 0, 3, lambda x, y: tokens(x, y))
     pool.free("a")
-    pool.events.clear()
+    pool.take_events()
     assert pool.num_cached == 3 and pool.can_allocate(4) and not pool.can_allocate(5)
     pool.allocate("b", 2)  # one free page, then one evicted: the deepest
-    assert pool.events == [BlockRemoved(block_hashes=[event_hash(keys[2])])]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[event_hash(keys[2])])]
     assert pool.match(keys, 4) == a[:2]
     pool.check()
 
@@ -96,7 +96,7 @@ def test_the_same_prefix_computed_twice_is_cached_once() -> None:
     a, b = pool.take("a", [], 2), pool.take("b", [], 2)
     pool.publish(a, keys, 0, 2, lambda x, y: tokens(x, y))
     pool.publish(b, keys, 0, 2, lambda x, y: tokens(x, y))  # b's pages stay private
-    assert len(pool.events) == 1 and pool.match(keys, 2) == a
+    assert len(pool.take_events()) == 1 and pool.match(keys, 2) == a
     pool.free("b")
     pool.free("a")
     assert (pool.num_free, pool.num_cached) == (6, 2)
@@ -127,15 +127,15 @@ def test_a_promised_page_evicts_nothing_until_it_is_written() -> None:
     a = pool.take("a", [], 2)
     pool.publish(a, keys, 0, 2, lambda x, y: tokens(x, y))
     pool.free("a")
-    pool.events.clear()  # 2 free, 2 cached
+    pool.take_events()  # 2 free, 2 cached
     b = pool.take("b", [], 1, later=2)  # one page now, two promised
     assert (pool.num_free, pool.num_cached, pool.num_promised, pool.num_available) == (1, 2, 2, 1)
     assert not pool.can_take([], 2) and pool.can_take([], 1)  # the promise is not offered again
     pool.check()
-    assert pool.grow("b") not in b and pool.events == []  # a free page: the cache keeps both
+    assert pool.grow("b") not in b and pool.take_events() == []  # a free page: the cache keeps both
     assert pool.match(keys, 2) == a[:2]
     pool.grow("b")  # no page free: the deepest cached page goes, now that it must
-    assert pool.events == [BlockRemoved(block_hashes=[event_hash(keys[1])])]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[event_hash(keys[1])])]
     assert pool.match(keys, 2) == a[:1] and pool.num_promised == 0
     with pytest.raises(PagePoolError):  # the promise is spent
         pool.grow("b")

@@ -1,5 +1,5 @@
 """The router without sockets (WorkerLinks over in-memory channels): policies (round-robin order,
-least-loaded, prefix affinity by block hash), backpressure accounting, and the admission queue
+least-loaded, prefix affinity by block key), backpressure accounting, and the admission queue
 (bounded, deadline, FIFO wake-up, a cancelled waiter leaves)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import weakref
 import pytest
 
 from tandem.router.link import WorkerLink
-from tandem.router.policy import block_hashes
 from tandem.router.pool import WorkerPool
 from tandem.router.request import RequestHandle
 from tandem.runtime import errors
@@ -85,16 +84,6 @@ async def test_least_loaded_prefers_fewest_in_flight_then_fewest_tokens():
     # one each now; w0 holds 40 prompt tokens, w1 one: w1 again
     assert worker_of(await enter(pool, [1])) == "tcp://w1"
     assert w0.pending_prefill_tokens == 40 and w1.pending_prefill_tokens == 2
-
-
-def test_block_hashes_chain_over_full_pages():
-    a = block_hashes(list(range(12)), PAGE)
-    b = block_hashes(list(range(8)) + [99, 98, 97, 96, 5], PAGE)
-    assert len(a) == 3 and len(b) == 3
-    assert a[:2] == b[:2] and a[2] != b[2]
-    assert block_hashes([1, 2, 3], PAGE) == []
-    # the same block after a different prefix hashes differently
-    assert block_hashes([9, 9, 9, 9, 0, 1, 2, 3], PAGE)[1] != block_hashes([0, 1, 2, 3], PAGE)[0]
 
 
 async def test_prefix_prefers_the_worker_with_the_longest_shared_prefix():

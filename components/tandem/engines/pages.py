@@ -20,7 +20,8 @@ a new request `match`es the keys of its prompt's leading full pages and `take`s 
 request holds is evictable: `allocate` and `reserve` take free pages first, then evict cached ones,
 least recently released first. A request's pages are released last page first, so a prefix's
 deeper pages are evicted before the pages they extend. Each store and eviction is recorded as a KV
-event (`events`, tandem.runtime.kv_events) for the engine to hand on.
+event (tandem.runtime.kv_events) while `recording`, and the engine takes them after each step
+(`take_events`); `admitted` counts what admission looked up and found cached (`queries`, `hits`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class PagePool:
         self._lru: dict[int, None] = {}  # cached pages nobody holds, least recently released first
         self._promised: dict[str, int] = {}  # owner -> pages it may still grow by
         self.num_promised = 0  # their sum
-        self.events: list[KvEvent] = []  # stores and evictions since the engine last took them
+        self._events: list[KvEvent] = []  # stores and evictions since the engine last took them
         self.recording = True  # whether to record them (the engine: when someone takes them)
         self.queries = self.hits = 0  # prompt tokens looked up / found cached, at admission
 
@@ -94,6 +95,16 @@ class PagePool:
         return not self._held and not self._reserved
 
     # --- the prefix cache -----------------------------------------------------------------------
+    def take_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last call, oldest first; the pool keeps none."""
+        events, self._events = self._events, []
+        return events
+
+    def admitted(self, num_prompt: int, num_hit_pages: int) -> None:
+        """A request of `num_prompt` prompt tokens was admitted with `num_hit_pages` cached."""
+        self.queries += num_prompt
+        self.hits += num_hit_pages * self.page_size
+
     def match(self, keys: Sequence[int], limit: int) -> list[int]:
         """The cached pages of the leading `keys` (at most `limit`), in order; changes nothing."""
         pages: list[int] = []
@@ -136,7 +147,7 @@ class PagePool:
         if not run or not self.recording:
             return
         size = self.page_size
-        self.events.append(BlockStored(
+        self._events.append(BlockStored(
             block_hashes=[event_hash(k) for k in run],
             parent_block_hash=event_hash(keys[first - 1]) if first else None,
             token_ids=tokens(first * size, (first + len(run)) * size), block_size=size))
@@ -154,7 +165,7 @@ class PagePool:
         if len(gone) < n:
             raise PagePoolError(f"need {n} pages more, {len(gone)} evictable")
         if self.recording:
-            self.events.append(BlockRemoved(block_hashes=gone))
+            self._events.append(BlockRemoved(block_hashes=gone))
 
     def _new(self, n: int) -> list[int]:
         short = n - len(self._free)
@@ -273,13 +284,6 @@ class PagePool:
                     free.append(p)
         free.extend(reversed(reserved))
         return len(held) + len(reserved)
-
-    def clear_cache(self) -> int:
-        """Evict every cached page nobody holds; returns how many."""
-        n = len(self._lru)
-        if n:
-            self._evict(n)
-        return n
 
     def owners(self) -> list[str]:
         return list(self._held) + [o for o in self._reserved if o not in self._held]

@@ -237,8 +237,7 @@ class Scheduler:
     def _admitted(self, seq: Sequence, num_hits: int) -> None:
         pool = self.pool
         if pool.caching:
-            pool.queries += len(seq.prompt_ids)
-            pool.hits += num_hits * pool.page_size
+            pool.admitted(len(seq.prompt_ids), num_hits)
             seq.published = num_hits
             seq.publish_at = len(seq.prompt_ids)
         if seq.pd == "decode":

@@ -357,8 +357,7 @@ class Stepper(Engine):
         step = postprocess(self.name, self.sched, seqs, tokens, lps, error)
         self._notify()
         pool = self.pool
-        if pool.events:  # (the pool's KV events go with the step)
-            step.events, pool.events = pool.events, []
+        step.events = pool.take_events()  # (the pool's KV events go with the step)
         if self.check_pages:
             try:
                 pool.check()

@@ -174,6 +174,7 @@ class KvFeeds:
             "kv_last_event_age_s": None if index.last_event_at is None
             else round(now - index.last_event_at, 3),
             "kv_event_gaps": events.gaps, "kv_index_resets": events.resets,
+            "kv_unknown_parents": index.unknown_parents, "kv_unusable_blocks": index.unusable,
             "kv_bad_event_messages": feed[1].bad if feed is not None else 0,
             "kv_predicted_cached_tokens": self.policy.predicted.get(address, 0),
         }

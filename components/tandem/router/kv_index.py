@@ -1,9 +1,10 @@
 """What each worker holds in its prefix cache, as the router knows it: the `kv` policy's index
-(tandem.router.policy). Pure: no I/O, the clock passed in; fed by tandem.router.kv_feed.
+(tandem.router.kv_policy). Pure: no I/O, the clock passed in; fed by tandem.router.kv_feed.
 
-Block keys are the router's own, recomputed from token ids: key i of a prompt is the chained hash
-of its first i + 1 full pages (tandem.router.policy.block_hashes), so a BlockStored event's blocks
-get their keys from their parent's key and their token ids, and an engine's own hashes are only
+Block keys are the router's own, recomputed from token ids (tandem.router.blocks): key i of a
+prompt chains its first i + 1 full pages (`block_keys`), so a BlockStored event's blocks get their
+keys from their parent's key and their token ids (`chain`, the same step), and an engine's own
+hashes are only
 identities, for parent links and removals (an engine may hash however it likes: tandem's, vLLM's
 and SGLang's all differ).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tandem.router.blocks import ROOT, block_keys
 from tandem.runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["EventLog", "WorkerIndex"]
@@ -33,8 +35,7 @@ PRUNE_EVERY = 1024  # placements between sweeps of expired predictions
 
 
 class WorkerIndex:
-    def __init__(self, page_size: int, predict_ttl_s: float = 2.0,
-                 approx_ttl_s: float = 120.0) -> None:
+    def __init__(self, page_size: int, predict_ttl_s: float, approx_ttl_s: float) -> None:
         self.page_size = page_size
         self.predict_ttl_s = predict_ttl_s
         self.approx_ttl_s = approx_ttl_s
@@ -45,6 +46,7 @@ class WorkerIndex:
         self._placed = 0
         self.events_applied = 0
         self.unknown_parents = 0  # stored blocks whose parent the index never saw (skipped)
+        self.unusable = 0  # stored blocks of another block size, or whose tokens do not fill them
         self.last_event_at: float | None = None
 
     @property
@@ -69,25 +71,24 @@ class WorkerIndex:
     def _stored(self, ev: BlockStored) -> None:
         size = ev.block_size
         if size != self.page_size or len(ev.token_ids) != size * len(ev.block_hashes):
-            self.unknown_parents += 1  # (not this router's block size: unusable)
+            self.unusable += 1
             return
-        parent = 0
+        parent = ROOT
         if ev.parent_block_hash is not None:
             known = self._key_of.get(ev.parent_block_hash)
             if known is None:
                 self.unknown_parents += 1
                 return
             parent = known
-        tokens, keys = ev.token_ids, self.keys
-        for i, h in enumerate(ev.block_hashes):
-            parent = hash((parent, *tokens[i * size:(i + 1) * size]))
+        keys = self.keys
+        for h, key in zip(ev.block_hashes, block_keys(ev.token_ids, size, parent)):
             old = self._key_of.get(h)
-            if old == parent:
+            if old == key:
                 continue
             if old is not None:
                 self._drop(old)
-            self._key_of[h] = parent
-            keys[parent] = keys.get(parent, 0) + 1
+            self._key_of[h] = key
+            keys[key] = keys.get(key, 0) + 1
 
     def _drop(self, key: int) -> None:
         n = self.keys.get(key, 0) - 1

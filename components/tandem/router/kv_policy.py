@@ -6,7 +6,7 @@ Per candidate worker, in prompt tokens to compute:
     cost = prefill_weight * (queue_weight * its pending prefill + the prompt tokens it lacks)
          + decode_weight * the requests running on it
 
-and the lowest cost wins (ties: least-loaded's order, `policy.load_key`). The pending
+and the lowest cost wins (ties: least-loaded's order, `blocks.load_key`). The pending
 prefill counts a fraction (`queue_weight`, 0.25): an engine that batches prefills computes the
 queued ones in the same steps as the new one, so they delay it by less than their length, and
 counting them whole sends a request away from the worker that holds its prefix whenever that
@@ -31,8 +31,9 @@ least-loaded among candidates none of which does (SGLang without `--kv-events-co
 worker), with no approximate index.
 
 In PD the same cost chooses the prefill worker; the decode worker is chosen by the same rule
-without a pending prefill (its cached pages save a transfer, not a computation). `overlaps[role]`
-is the predicted cached tokens of the role's last choice (the pool hands it to the accounting).
+without a pending prefill (its cached pages save a transfer, not a computation). A choice's
+`Placement.cached_tokens` is the overlap it predicted (the pool hands it to the accounting).
+Every value (weights, expiries) comes from RouterConfig, through tandem.router.policy.make_policy.
 """
 
 from __future__ import annotations
@@ -40,30 +41,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from tandem.config import RouterConfig
+from tandem.router.blocks import Candidate, Placement, block_keys, least_loaded, load_key
 from tandem.router.kv_index import EventLog, WorkerIndex
-from tandem.router.policy import Candidate, block_hashes, least_loaded, load_key
 
 __all__ = ["KvAware"]
 
 
 class KvAware:
-    def __init__(self, *, auto: bool = False, prefill_weight: float = 1.0,
-                 queue_weight: float = 0.25, decode_weight: float = 32.0,
-                 predict_ttl_s: float = 2.0, approx_ttl_s: float = 120.0,
-                 session_ttl_s: float = 300.0,
+    def __init__(self, config: RouterConfig, *, auto: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
         self.auto = auto  # route by load (least-loaded) unless a candidate publishes KV events
-        self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
-        self.queue_weight = queue_weight
-        self.predict_ttl_s, self.approx_ttl_s = predict_ttl_s, approx_ttl_s
-        self.session_ttl_s = session_ttl_s
         self.clock = clock
         self.indexes: dict[str, WorkerIndex] = {}  # worker address -> what it holds
         self.logs: dict[str, EventLog] = {}  # worker address -> its event stream
         # (role, session) -> (worker address, the last prompt's last block key, its block count,
         # expiry)
         self._sessions: dict[tuple[str, str], tuple[str, int, int, float]] = {}
-        self.overlaps: dict[str, int] = {}  # role -> predicted cached tokens of its last choice
         self._keys: tuple[list[int], int, list[int]] = ([], 0, [])  # (prompt, size, its keys)
         self.predicted: dict[str, int] = {}  # worker -> predicted cached tokens placed there
         self.seconds = 0.0  # wall time spent choosing and recording (placement)
@@ -71,8 +66,9 @@ class KvAware:
     def index(self, address: str, page_size: int) -> WorkerIndex:
         idx = self.indexes.get(address)
         if idx is None:
-            idx = self.indexes[address] = WorkerIndex(page_size, self.predict_ttl_s,
-                                                      self.approx_ttl_s)
+            cfg = self.config
+            idx = self.indexes[address] = WorkerIndex(page_size, cfg.kv_predict_ttl_s,
+                                                      cfg.kv_approx_ttl_s)
             self.logs[address] = EventLog(idx)
         return idx
 
@@ -85,15 +81,14 @@ class KvAware:
         """The prompt's block keys (computed once for both legs of a PD request)."""
         prompt, size, keys = self._keys
         if prompt is not prompt_ids or size != page_size:
-            keys = block_hashes(prompt_ids, page_size)
+            keys = block_keys(prompt_ids, page_size)
             self._keys = (prompt_ids, page_size, keys)
         return keys
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Candidate:
+               page_size: int, session: str = "") -> Placement:
         if self.auto and not any(self.index(c.address, page_size).events for c in candidates):
-            self.overlaps[role] = 0
-            return least_loaded(candidates)
+            return Placement(least_loaded(candidates))
         t0 = time.perf_counter()
         now = self.clock()
         keys = self._block_keys(prompt_ids, page_size)
@@ -104,7 +99,8 @@ class KvAware:
             hint = None
         best: Candidate | None = None
         best_cost, best_overlap = 0.0, 0
-        pw, qw, dw = self.prefill_weight, self.queue_weight, self.decode_weight
+        cfg = self.config
+        pw, qw, dw = cfg.kv_prefill_weight, cfg.kv_queue_weight, cfg.kv_decode_weight
         for c in candidates:
             blocks = self.index(c.address, page_size).overlap(keys, now)
             if hint is not None and hint[0] == c.address and hint[2] <= len(keys) and \
@@ -117,12 +113,12 @@ class KvAware:
                                                     load_key(c) < load_key(best)):
                 best, best_cost, best_overlap = c, cost, overlap
         assert best is not None
-        self.overlaps[role] = best_overlap
         self.seconds += time.perf_counter() - t0
-        return best
+        return Placement(best, best_overlap)
 
-    def served(self, role: str, chosen: Candidate, prompt_ids: list[int], page_size: int,
+    def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
                session: str = "") -> None:
+        chosen = placed.worker
         if self.auto and not self.index(chosen.address, page_size).events:
             return  # (auto, by load: nothing to predict)
         t0 = time.perf_counter()
@@ -130,15 +126,11 @@ class KvAware:
         keys = self._block_keys(prompt_ids, page_size)
         self.index(chosen.address, page_size).placed(keys, now)
         self.predicted[chosen.address] = self.predicted.get(chosen.address, 0) + \
-            self.overlaps.get(role, 0)
+            placed.cached_tokens
         if session and keys:
             self._sessions[(role, session)] = (chosen.address, keys[-1], len(keys),
-                                               now + self.session_ttl_s)
+                                               now + self.config.session_ttl_s)
             if len(self._sessions) % 4096 == 0:
                 for k in [k for k, v in self._sessions.items() if v[3] < now]:
                     del self._sessions[k]
         self.seconds += time.perf_counter() - t0
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)

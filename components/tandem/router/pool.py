@@ -39,6 +39,7 @@ from tandem.router.admission import AdmissionQueue
 from tandem.router.discovery import Change
 from tandem.router.link import WorkerChannel, WorkerLink
 from tandem.router.kv_feed import KvFeeds
+from tandem.router.blocks import Placement
 from tandem.router.kv_policy import KvAware
 from tandem.router.policy import make_policy
 from tandem.router.request import RequestHandle, RequestOptions
@@ -73,7 +74,7 @@ class WorkerPool:
         self._started = False
         self.placed: dict[str, int] = {}  # requests placed per worker address (a counter)
         self.router = router or RouterConfig()
-        self.policy = make_policy(self.router.policy, list(addresses), self.router)
+        self.policy = make_policy(self.router, list(addresses))
         self.registry = registry if registry is not None else Registry()
         self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
             self._place, RequestHandle.release, self.router.max_queue,
@@ -158,7 +159,7 @@ class WorkerPool:
         self.links.remove(link)
         if self.kv_feeds is not None:
             self.kv_feeds.down(link.address)
-            self.policy.forget(link.address)  # type: ignore[attr-defined]
+        self.policy.forget(link.address)
         log.info("worker %s dropped", link.address)
 
         async def drop() -> None:
@@ -213,13 +214,14 @@ class WorkerPool:
         return room
 
     def _choose(self, role: str, candidates: list[WorkerLink], h: RequestHandle
-                ) -> tuple[WorkerLink, int]:
+                ) -> tuple[WorkerLink, Placement, int]:
         page_size = candidates[0].info.page_size  # type: ignore[union-attr]
-        chosen = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session)
+        placed = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session)
+        chosen = placed.worker
         assert isinstance(chosen, WorkerLink)
         if role != "decode":  # the accounting's pending prefill: what it will compute
-            h.cached_hint = getattr(self.policy, "overlaps", {}).get(role, 0)
-        return chosen, page_size
+            h.cached_hint = placed.cached_tokens
+        return chosen, placed, page_size
 
     def _place(self, h: RequestHandle) -> RequestHandle | None:
         """Start `h` on the workers the policy picks among those that can take it; None if all
@@ -231,17 +233,18 @@ class WorkerPool:
             ps, ds = self._candidates(prefill, ids), self._candidates(decode, ids)
             if not ps or not ds:
                 return None
-            (p, p_page), (d, d_page) = self._choose("prefill", ps, h), self._choose("decode", ds, h)
+            p, p_placed, p_page = self._choose("prefill", ps, h)
+            d, d_placed, d_page = self._choose("decode", ds, h)
             local = self.router.pd_local_prefill_tokens
-            if local and len(ids) - getattr(self.policy, "overlaps", {}).get("decode", 0) <= local:
+            if local and len(ids) - d_placed.cached_tokens <= local:
                 h.start(d)  # its uncached part is short: the decode worker prefills it itself
                 self._count(d)
-                self.policy.served("decode", d, ids, d_page, h.session)
+                self.policy.served("decode", d_placed, ids, d_page, h.session)
                 return h
             h.start(d, p, bootstrap_of(p, self._room()))
             self._count(p, d)
-            self.policy.served("prefill", p, ids, p_page, h.session)
-            self.policy.served("decode", d, ids, d_page, h.session)
+            self.policy.served("prefill", p_placed, ids, p_page, h.session)
+            self.policy.served("decode", d_placed, ids, d_page, h.session)
             return h
         agg_links = serving.get("agg")
         if not agg_links:
@@ -249,10 +252,10 @@ class WorkerPool:
         aggs = self._candidates(agg_links, ids)
         if not aggs:
             return None
-        agg, page = self._choose("agg", aggs, h)
+        agg, placed, page = self._choose("agg", aggs, h)
         h.start(agg)
         self._count(agg)
-        self.policy.served("agg", agg, ids, page, h.session)
+        self.policy.served("agg", placed, ids, page, h.session)
         return h
 
     def _count(self, *links: WorkerLink) -> None:

@@ -1,0 +1,110 @@
+"""The routing contract: what a policy reads of a worker (`Candidate`), what it answers
+(`Placement`), the one `Policy` Protocol every policy implements, least-loaded's order, and the
+router's block keys.
+
+Block keys (`chain`, `block_keys`): key i of a token sequence names its first i + 1 full pages.
+It is the router's own, computed from token ids alone, on both sides of the router: a request's
+prompt (`block_keys`, the policies) and a BlockStored event's tokens from its parent's key
+(`chain`, tandem.router.kv_index). Both sides call `chain`, so they agree bit for bit; if they did
+not, every overlap would be 0 and the `kv` policy would route by load alone
+(tests/unit/test_kv_router.py checks it). The hash is BLAKE2b-64 over the parent key (8 bytes,
+little endian) and the page's token ids as little-endian signed 64-bit integers: deterministic
+across processes, platforms and Python versions (unlike `hash()`), and 64 bits are plenty for a
+key whose collision costs a misplaced request, never wrong output (the engines key their own
+caches with 128 bits, tandem.engines.prefix). A sequence's first page chains from `ROOT`; a salt
+that keeps tenants' prefixes apart would give each its own root (`chain(ROOT, salt ids)`), the one
+change both sides need.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Protocol
+
+from tandem.runtime.wire import Load
+
+__all__ = ["ROOT", "Candidate", "Placement", "Policy", "block_keys", "chain", "least_loaded",
+           "load_key"]
+
+ROOT = 0  # the parent key of a sequence's first page
+_KEY_BYTES = 8
+
+
+def chain(parent: int, tokens: Sequence[int]) -> int:
+    """The key of a page whose tokens are `tokens` and whose parent page's key is `parent`."""
+    return _chain(parent, array("q", tokens).tobytes())
+
+
+def _chain(parent: int, ids: bytes) -> int:
+    digest = blake2b(parent.to_bytes(_KEY_BYTES, "little") + ids, digest_size=_KEY_BYTES)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def block_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
+    """The keys of the full pages of `tokens` (a partial last page has none), the first chained
+    from `parent`: `chain` page after page, packed once."""
+    n_full = len(tokens) // page_size
+    if n_full == 0:
+        return []
+    ids = array("q", tokens[:n_full * page_size]).tobytes()
+    step = 8 * page_size
+    out: list[int] = []
+    key = parent
+    for at in range(0, len(ids), step):
+        key = _chain(key, ids[at:at + step])
+        out.append(key)
+    return out
+
+
+class Candidate(Protocol):
+    """What a policy reads of a worker (tandem.router.link.WorkerLink)."""
+
+    address: str
+    load: Load
+
+    @property
+    def pending_prefill_tokens(self) -> int: ...
+
+    @property
+    def active_decode_tokens(self) -> int: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A policy's answer: the worker, and the prompt tokens it predicts that worker has cached
+    (the pool charges the worker's pending prefill only the rest, and decides PD local prefill by
+    it; 0 from a policy that does not predict)."""
+
+    worker: Candidate
+    cached_tokens: int = 0
+
+
+class Policy(Protocol):
+    """Which of the candidates of one role (all can take the request, in the pool's stable order)
+    serves it. `session`: the request's conversation key ("" for none). `served` is told the
+    placement the pool made; `forget` that a worker left."""
+
+    def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
+               page_size: int, session: str = "") -> Placement: ...
+
+    def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
+               session: str = "") -> None: ...
+
+    def forget(self, address: str) -> None: ...
+
+
+def load_key(c: Candidate) -> tuple[int, int, int]:
+    """Least-loaded's order: fewest requests in flight, then fewest tokens to prefill and held by
+    running requests (their KV footprint), then most free pages."""
+    return (c.num_in_flight, c.pending_prefill_tokens + c.active_decode_tokens,
+            -c.load.pages_free)
+
+
+def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
+    return min(candidates, key=load_key)
