@@ -69,10 +69,10 @@ _WEDGED_ZMQ_CONTEXTS: list[object] = []  # kept: collecting one would block in i
 def _page_accounting_holds() -> Iterator[None]:
     """A test in whose process an engine's page accounting check failed fails (a spawned
     worker's failure stops that worker, which its test sees)."""
-    from tandem.engines import stepper
+    from tandem.engines import steps
 
     yield
-    broken, stepper.BROKEN[:] = list(stepper.BROKEN), []
+    broken, steps.BROKEN[:] = list(steps.BROKEN), []
     assert not broken, f"KV page accounting broken: {broken}"
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem import flags, up
-from tandem.config import Common, FrontendConfig, LOG_LEVELS, UpConfig, WorkerConfig, served_name
+from tandem.config import Common, FrontendConfig, LOG_LEVELS, WorkerConfig, served_name
+from tandem.up_config import UpConfig
 
 COMMANDS = ("model", "keys", "worker", "frontend", "up")
 

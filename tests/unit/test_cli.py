@@ -18,7 +18,8 @@ import pytest
 from tandem.runtime.auth import write_keys
 from tandem import demo, flags, launcher, up
 from tandem.cli import main, parse
-from tandem.config import FrontendConfig, RouterConfig, UpConfig, WorkerConfig, served_name
+from tandem.config import FrontendConfig, RouterConfig, WorkerConfig, served_name
+from tandem.up_config import UpConfig
 
 
 @pytest.fixture

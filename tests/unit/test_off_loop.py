@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from tandem.config import FrontendConfig
-from tandem.frontend.app import MESSAGE_COST, THREAD_CHARS, FrontendApp
+from tandem.frontend.app import FrontendApp
+from tandem.frontend.prepare import MESSAGE_COST, THREAD_CHARS
 from tandem.frontend.preprocess import Preprocessor
 from tests.fakes import FakePool, write_model_dir
 
@@ -104,9 +105,9 @@ async def test_large_jobs_off_the_loop_run_a_few_at_a_time(
     import asyncio
     import time
 
-    from tandem.frontend import app as app_module
+    from tandem.frontend import prepare as prepare_module
 
-    monkeypatch.setattr(app_module, "OFF_LOOP_JOBS", 1)
+    monkeypatch.setattr(prepare_module, "OFF_LOOP_JOBS", 1)
     running, most = [0], [0]
     lock = threading.Lock()
     real = pre.tokenizer.real

@@ -4,12 +4,10 @@ contract"): schedule -> compute -> postprocess, over tandem.engines.scheduler. C
 the engine-specific hooks; admission, finishing, cancelling, page accounting, the PD handoff
 (tandem.engines.handoff), grammar compiles (tandem.engines.grammars) and output delivery are here.
 
-Two drivers of the same step. On the loop (`run`, the mock): the step is a task that awaits `run`.
-On a step thread (`compute`, the reference engine): the thread schedules, computes and
-postprocesses, and hands the step to the loop with ONE `call_soon_threadsafe`, which delivers it
-with one `on_step` per sink; the thread goes on with the next step at once. Either way the
-scheduler and the pool are touched under `self._lock`, a step's sequences are in flight while it
-computes, and their pages are not freed until it ends.
+Two drivers of the same step (tandem.engines.steps): on the loop (`run`, the mock), or on a step
+thread (`compute`, the reference engine). Either way the scheduler and the pool are touched under
+`self._lock`, a step's sequences are in flight while it computes, and their pages are not freed
+until it ends.
 
 Outputs (tandem.engines.outputs): ONE `sink.on_step(outputs)` per sink per step. Events outside
 a step (a decode request's first token after its KV arrived, a prefill's end once its KV is
@@ -29,23 +27,19 @@ from typing import Any
 
 from tandem.engines.base import (Engine, EngineError, EngineOutput, EngineRequest,
                                  EngineRequestError, OutputSink)
-from tandem.engines.outputs import Step, deliver, ending, last_output, postprocess
+from tandem.engines.outputs import deliver, ending, last_output
 from tandem.engines.handoff import Handoff, HandoffSpec
 from tandem.engines.grammars import Compiles, Deferred
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
-from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
+from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
 from tandem.engines.pages import PagePool
 from tandem.engines.prefix import page_keys
-from tandem.runtime.errors import PagePoolError
-from tandem.runtime.kv_events import KvEvent
-from tandem.runtime.lifecycle import crash
+from tandem.engines.steps import StepDrivers
 from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
 
 log = logging.getLogger("tandem.engine")
 
-IDLE_WAIT_S = 0.5  # an idle step thread re-checks for work this often, even without a wake-up
 CHECK_ENV = "TANDEM_CHECK_KV"  # "1": every engine checks its page accounting after every step
-BROKEN: list[str] = []  # every failed check of this process, for the test suite to assert on
 
 
 class _Handle:
@@ -58,7 +52,7 @@ class _Handle:
         self.engine.cancel(self.seq)
 
 
-class Stepper(Engine):
+class Stepper(StepDrivers, Engine):
     """An engine made of schedule -> compute -> postprocess. Subclasses set `spec` and
     `page_bytes`, and implement `run` (loop driver) or set `step_thread` and implement `compute`
     (thread driver); they may override `load_memory` (called by `start`; returns the KV memory a
@@ -96,26 +90,6 @@ class Stepper(Engine):
         self._thread: threading.Thread | None = None
         self._started = self._running = self._closed = self._stopping = False
         self._compiles = Compiles()  # grammars being compiled off the loop
-
-    @property
-    def on_kv_events(self) -> Callable[[list[KvEvent]], None] | None:
-        """Who takes the KV events of each step (the worker's publisher); while nobody does, the
-        pool does not record them."""
-        return self._on_kv_events
-
-    @on_kv_events.setter
-    def on_kv_events(self, take: Callable[[list[KvEvent]], None] | None) -> None:
-        self._on_kv_events = take
-        self.pool.recording = take is not None
-
-    # --- hooks ------------------------------------------------------------------------------------
-    async def run(self, batch: Batch) -> list[int]:
-        """Loop driver: compute one step, one sampled token per sequence of `batch.all()`."""
-        raise NotImplementedError
-
-    def compute(self, batch: Batch) -> list[int]:
-        """Thread driver: the same, on the step thread."""
-        raise NotImplementedError
 
     async def load_memory(self) -> Any:
         """Load what the step needs; return the KV memory a mover registers (None: no bytes)."""
@@ -291,109 +265,3 @@ class Stepper(Engine):
             last = last_output(seq)
         if last:
             deliver(self.name, [(seq, ending(seq, "error", error))], self._cumulative)
-
-    def _notify(self) -> None:
-        """There may be work (called holding the lock)."""
-        if self.step_thread:
-            self._lock.notify()
-        else:
-            self._wake.set()
-
-    async def _loop(self) -> None:
-        while True:
-            with self._lock:
-                batch = self.sched.schedule()
-            seqs = batch.all()
-            if not batch:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if batch.reserved:  # (their fetches need no step: they start now)
-                self._reserved(batch.reserved)
-            tokens: list[int] = []
-            error: Exception | None = None
-            if seqs:
-                try:
-                    tokens = await self.run(batch)
-                except Exception as e:  # a failing step fails its requests, not the engine
-                    error = e
-            with self._lock:
-                step = self._postprocess(seqs, tokens, batch.logprobs, error)
-            self._handed_over(step)
-
-    def _thread_main(self, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping:
-                    batch = self.sched.schedule()
-                    if batch:
-                        break
-                    self._lock.wait(IDLE_WAIT_S)
-                else:
-                    return
-            seqs = batch.all()
-            if batch.reserved:  # (their fetches need no step: they start now)
-                try:
-                    loop.call_soon_threadsafe(self._reserved, batch.reserved)
-                except RuntimeError:  # the loop is closed: nobody is listening any more
-                    return
-            tokens: list[int] = []
-            error: Exception | None = None
-            if seqs:
-                try:
-                    tokens = self.compute(batch)
-                except Exception as e:
-                    error = e
-            with self._lock:
-                step = self._postprocess(seqs, tokens, batch.logprobs, error)
-            try:
-                loop.call_soon_threadsafe(self._handed_over, step)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                return
-
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int],
-                     lps: list[TokenLogprobs | None] | None, error: Exception | None) -> Step:
-        """The one postprocess (tandem.engines.outputs), under the lock."""
-        step = postprocess(self.name, self.sched, seqs, tokens, lps, error)
-        self._notify()
-        pool = self.pool
-        step.events = pool.take_events()  # (the pool's KV events go with the step)
-        if self.check_pages:
-            try:
-                pool.check()
-            except PagePoolError as e:
-                step.broken = str(e)
-        return step
-
-    def _events(self, step: Step) -> None:
-        """On the loop: hand the step's KV events on; act on a failed check."""
-        if step.events and self.on_kv_events is not None:
-            self.on_kv_events(step.events)
-        if step.broken and not self.broken:
-            self.broken = f"{self.name} engine: {step.broken}"
-            BROKEN.append(self.broken)
-            crash(self.broken)
-
-    def _reserved(self, seqs: list[Sequence]) -> None:
-        """On the loop: decode requests whose pages were reserved; their K/V is fetched now."""
-        handoff = self.handoff
-        if handoff is None or self._closed:
-            return
-        for seq in seqs:
-            if seq.status is SeqStatus.FETCHING:  # (not cancelled since)
-                handoff.admitted(seq, seq.pages[seq.skip: self.pool.pages_for(seq.num_tokens)])
-
-    def _handed_over(self, step: Step) -> None:
-        """On the loop: the step's handoff events, then its outputs (none for a request
-        cancelled since the step made them)."""
-        self._events(step)
-        handoff = self.handoff
-        if handoff is not None:
-            for seq, token, lp in step.computed:
-                handoff.computed(seq, token, lp)
-            for seq in step.failed:
-                handoff.cancel(seq)
-        items = step.items
-        if self.step_thread:
-            items = [item for item in items if not item[0].cancelled]
-        deliver(self.name, items, self._cumulative)

@@ -5,12 +5,8 @@ Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON; a session
 and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one registry shared with the pool)
 and /workers (the pool's snapshot). Every error is an OpenAI error body.
 
-Templating and tokenizing a large prompt runs in a thread, so the event loop (and the workers'
-heartbeats it answers) never waits long on it: each step is sized by its own work (a template by
-the characters of its messages plus MESSAGE_COST for each message, a tokenization by the length of
-the text it tokenizes, a detokenization by its ids), and a step past THREAD_CHARS runs in a
-thread through the tokenizer's calls that release the GIL (tandem.frontend.preprocess). Every request ends with one
-access line, and a summary line is logged every `--log-stats-interval` seconds
+A request's body becomes a GenerationJob (or a /tokenize answer) in tandem.frontend.prepare, off
+the loop when it is large. Every request ends with one access line, and a summary line is logged every `--log-stats-interval` seconds
 (tandem.frontend.access).
 
 A generation request is validated, templated and tokenized before anything is sent, then opened on
@@ -23,16 +19,15 @@ request handles at once, which aborts them on the workers and frees their pages.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import msgspec
 
 from tandem.config import FrontendConfig
-from tandem.frontend import schemas, validate
+from tandem.frontend import schemas
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
                                   Send, content_length, read_body, session_of, watch_disconnect)
@@ -40,17 +35,14 @@ from tandem.frontend.limits import BodyBudget
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
-from tandem.frontend.respond import ChoiceSpec, GenerationJob, Handle, new_pushes, respond
+from tandem.frontend.prepare import Prepare
+from tandem.frontend.respond import GenerationJob, Handle, new_pushes, respond
 from tandem.runtime import errors, lifecycle
 from tandem.runtime.metrics import CONTENT_TYPE, Registry
 from tandem.runtime.wire import SamplingParams
 
 log = logging.getLogger("tandem.frontend")
 MAX_BODY_BYTES = 32 * 1024 * 1024
-THREAD_CHARS = 16_384  # work (characters, or their equivalent) past which a step runs in a thread
-MESSAGE_COST = 64  # a chat message costs the template this many characters' work, empty or not
-OFF_LOOP_JOBS = 2  # large templating/tokenizing jobs at once (a 3.9M-char prompt: ~0.8 GB)
-OFF_LOOP_WAIT_S = 60.0  # how long a large job waits for its turn before a 503
 _encode = msgspec.json.Encoder().encode
 
 
@@ -94,7 +86,7 @@ class FrontendApp:
         self.metrics.kv_usage(self._kv_usage)
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
-        self._heavy = asyncio.Semaphore(OFF_LOOP_JOBS)  # large jobs off the loop, at once
+        self.prepare = Prepare(config, preprocessor, self._max_context, lambda: pool.max_context)
         self.created = int(time.time())
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
@@ -104,7 +96,7 @@ class FrontendApp:
         }
         self._post = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
         self._post_small: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
-            "/tokenize": self._tokenize, "/detokenize": self._detokenize}
+            "/tokenize": self.prepare.tokenize, "/detokenize": self.prepare.detokenize}
 
     def _queued(self) -> int:
         return int(getattr(self.pool, "num_queued", 0))
@@ -172,7 +164,9 @@ class FrontendApp:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         m = self.metrics
         try:
-            job = await self._prepare(kind, await self._body(scope, receive), t0)
+            if self.draining:
+                raise errors.Unavailable("The server is shutting down.", retry_after=1)
+            job = await self.prepare.job(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
             handles = [self.pool.open(c.prompt_ids, c.sampling, session) for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
@@ -217,57 +211,6 @@ class FrontendApp:
                        ex: ResponseWriter) -> None:
         async with watch_disconnect(receive, ex):
             await respond(job, handles, ex, self.metrics, self.pushes)
-
-    async def _prepare(self, kind: str, body: bytes, t0: float) -> GenerationJob:
-        """Validate, template, tokenize and size one request; every refusal raises."""
-        if self.draining:
-            raise errors.Unavailable("The server is shutting down.", retry_after=1)
-        pre = self.preprocessor
-        vocab = pre.vocab_size
-        req: schemas.ChatCompletionRequest | schemas.CompletionRequest
-        texts: list[str | list[int]] = []
-        if kind == "chat":
-            req = validate.decode_request(body, schemas.ChatCompletionRequest)
-            validate.check_model(req, self.model_name)
-            messages = validate.validate_chat(req, vocab)
-            max_tokens = validate.chat_max_tokens(req)
-            default_max: int | None = None  # vLLM: the rest of the context
-            max_context = self._max_context()
-            text = await self._off_loop(_template_work(messages), pre.render_chat, messages,
-                                       req.tools, req.chat_template_kwargs, gil=True)
-            prompts = [await self._off_loop(len(text), pre.encode_rendered, text)]
-        else:
-            req = validate.decode_request(body, schemas.CompletionRequest)
-            validate.check_model(req, self.model_name)
-            texts = validate.validate_completion(req, vocab)
-            max_tokens = req.max_tokens
-            default_max = self.config.default_max_tokens
-            max_context = self._max_context()
-            chars = sum(len(p) for p in texts if isinstance(p, str))
-            prompts = await self._off_loop(chars, pre.encode_prompts, texts)
-        opts = validate.options(req)
-        choices: list[ChoiceSpec] = []
-        for p, prompt_ids in enumerate(prompts):
-            sampling = validate.sampling_params(req, max_tokens, len(prompt_ids), max_context,
-                                                default_max, opts.constraint)
-            echo = ""
-            if opts.echo:
-                t = texts[p]
-                echo = t if isinstance(t, str) else pre.decode(t, opts.skip_special_tokens)
-            for i in range(opts.n):
-                sp = sampling if i == 0 or sampling.seed is None else \
-                    msgspec.structs.replace(sampling, seed=validate.seed_of(req.seed, i))
-                detok = pre.detokenizers.new(opts.stops, prompt_ids, opts.skip_special_tokens,
-                                             opts.include_stop)
-                choices.append(ChoiceSpec(p, prompt_ids, sp, detok, echo))
-        validate.check_response_logprobs(req, opts, [c.sampling.max_tokens for c in choices],
-                                         self.config.max_response_logprobs)
-        return GenerationJob(
-            kind="chat" if kind == "chat" else "completion", model=self.model_name,
-            stream=opts.stream, include_usage=opts.include_usage,
-            interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
-            logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint)
 
     def _max_context(self) -> int:
         max_context = self.pool.max_context
@@ -316,54 +259,6 @@ class FrontendApp:
             return
         await ex.reply(200, body, JSON)
 
-    async def _tokenize(self, body: bytes) -> bytes:
-        """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)
-        or chat `messages` through the template (`add_generation_prompt`, default true)."""
-        req = validate.decode_request(body, schemas.TokenizeRequest)
-        validate.check_model(req, self.model_name)
-        pre = self.preprocessor
-        if (req.prompt is None) == (req.messages is None):
-            raise errors.BadRequest("Send either `prompt` or `messages`.", param="prompt")
-        if req.prompt is not None:
-            prompt = req.prompt
-            validate.check_prompt_chars(len(prompt), "prompt")
-            ids = await self._off_loop(len(prompt), pre.encode_text, prompt,
-                                      req.add_special_tokens is not False)
-        else:
-            messages = [validate.message_dict(m, i) for i, m in enumerate(req.messages or ())]
-            validate.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
-            text = await self._off_loop(_template_work(messages), pre.render_chat, messages, None,
-                                       None, req.add_generation_prompt is not False, gil=True)
-            ids = await self._off_loop(len(text), pre.encode_text, text,
-                                      bool(req.add_special_tokens))
-        return _encode(schemas.TokenizeResponse(len(ids), self.pool.max_context, list(ids)))
-
-    async def _detokenize(self, body: bytes) -> bytes:
-        req = validate.decode_request(body, schemas.DetokenizeRequest)
-        validate.check_model(req, self.model_name)
-        text = await self._off_loop(len(req.tokens), self.preprocessor.decode, req.tokens, False)
-        return _encode(schemas.DetokenizeResponse(text))
-
-    async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any, gil: bool = False) -> T:
-        """`fn(*args)` here when `size` is small, else in a thread, so the loop keeps serving: as
-        `fn(*args, release_gil=True)` (a tokenizer's call, which would otherwise hold the GIL all
-        along), or with `gil` as it is (pure Python: the loop runs every switch interval). At most
-        OFF_LOOP_JOBS at once (each may hold hundreds of MB); the rest wait, within a deadline."""
-        if size <= THREAD_CHARS:
-            return fn(*args)
-        call = functools.partial(fn, *args) if gil else functools.partial(fn, *args,
-                                                                         release_gil=True)
-        try:
-            async with asyncio.timeout(OFF_LOOP_WAIT_S):
-                await self._heavy.acquire()
-        except TimeoutError:
-            raise errors.Unavailable("The server is busy with other large prompts.",
-                                     retry_after=1.0) from None
-        try:
-            return await asyncio.to_thread(call)
-        finally:
-            self._heavy.release()
-
     async def _health(self, ex: ResponseWriter) -> None:
         if self.pool.ready() and not self.draining:
             await ex.reply(200, b'{"status":"ready"}', JSON)
@@ -381,13 +276,6 @@ class FrontendApp:
     async def _workers(self, ex: ResponseWriter) -> None:
         await ex.reply(200, _encode({"workers": await self.pool.snapshot()}), JSON)
 
-
-T = TypeVar("T")
-
-
-def _template_work(messages: list[dict[str, Any]]) -> int:
-    """What rendering the chat template over `messages` costs, in characters' worth."""
-    return sum(len(m["content"] or "") for m in messages) + MESSAGE_COST * len(messages)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

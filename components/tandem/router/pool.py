@@ -21,7 +21,8 @@ workers (a request must fit on whichever worker the policy picks; on both legs o
 a policy hashes prompts by the page size of the role it chooses within. The model name is the
 frontend's own (its tokenizer's), not any worker's.
 
-Every metric (per worker, admission) is registered in one Registry and read at scrape time.
+Every metric (per worker, admission) is registered in one Registry and read at scrape time; what
+/workers and /metrics show per worker is tandem.router.views.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.config import RETRY_AFTER_S, RouterConfig
+from tandem.router import views
 from tandem.router.accounting import can_take
 from tandem.router.admission import AdmissionQueue
 from tandem.router.discovery import Change
@@ -83,7 +85,7 @@ class WorkerPool:
             self._new_link(a)
         self.kv_feeds = KvFeeds(self.policy, transport.keys()) \
             if isinstance(self.policy, KvAware) else None  # the kv policy's event feeds
-        self._register_metrics(self.registry)
+        views.register_metrics(self.registry, self.links, self.placed)
         if self.kv_feeds is not None:
             self.kv_feeds.register_metrics(self.registry)
         self.requests = RequestOptions(self.router, self.registry)  # migration and deadline
@@ -322,71 +324,8 @@ class WorkerPool:
         return h
 
     async def snapshot(self) -> list[dict[str, Any]]:
-        loads = await asyncio.gather(*(w.query_load() for w in self.links))
-        out = []
-        for w, load in zip(self.links, loads):
-            info = w.info
-            out.append({
-                "name": info.name if info else "",
-                "role": info.role if info else "",
-                "engine": info.engine if info else "",
-                "address": w.address,
-                "kv_events_addr": info.kv_events_addr if info else "",
-                "kv_replay_addr": info.kv_replay_addr if info else "",
-                "state": "leaving" if w.address in self._leaving else w.state,
-                "draining": bool(getattr(load, "draining", False)),
-                "placed": self.placed.get(w.address, 0),
-                "in_flight": w.num_in_flight,
-                "failed_in_a_row": w.streak.count,
-                "pending_prefill_tokens": w.pending_prefill_tokens,
-                "active_decode_tokens": w.active_decode_tokens,
-                "running": load.running,
-                "waiting": load.waiting,
-                "pages_free": load.pages_free,
-                "pages_total": load.pages_total,
-                "pages_reserved": load.pages_reserved,
-                "pages_cached": load.pages_cached,  # (of pages_free)
-                "prefix_cache_queries": load.cache_queries,
-                "prefix_cache_hits": load.cache_hits,
-                **(self.kv_feeds.row(w.address) if self.kv_feeds is not None else {}),
-            })
-        return out
-
-    def _register_metrics(self, r: Registry) -> None:
-        links = self.links
-
-        def per_worker(get: Callable[[WorkerLink], float]) -> Callable[[], list[Any]]:
-            return lambda: [((w.address,), get(w)) for w in links]
-
-        r.callback("tandem_worker_placed_requests_total", "Requests placed on the worker.",
-                   lambda: [((a,), n) for a, n in self.placed.items()], ("worker",),
-                   kind="counter")
-        for name, help_, get in (
-            ("tandem_worker_up", "Whether the worker is usable (1) or not (0).",
-             lambda w: int(w.usable)),
-            ("tandem_worker_in_flight_requests", "Requests in flight on the worker.",
-             lambda w: w.num_in_flight),
-            ("tandem_worker_pending_prefill_tokens",
-             "Prompt tokens sent to the worker whose first delta has not come back.",
-             lambda w: w.pending_prefill_tokens),
-            ("tandem_worker_active_decode_tokens",
-             "Prompt and generated tokens of the requests decoding on the worker.",
-             lambda w: w.active_decode_tokens),
-            ("tandem_worker_running_requests", "Requests running on the worker (last report).",
-             lambda w: w.load.running),
-            ("tandem_worker_pages_free", "KV pages free on the worker (last report).",
-             lambda w: w.load.pages_free),
-            ("tandem_worker_pages_total", "KV pages on the worker.", lambda w: w.load.pages_total),
-            ("tandem_worker_waiting_requests", "Requests waiting on the worker (last report).",
-             lambda w: w.load.waiting),
-            ("tandem_worker_prefix_cache_hits", "Prompt tokens the worker found in its "
-             "prefix cache (last report).", lambda w: w.load.cache_hits),
-            ("tandem_worker_prefix_cache_queries", "Prompt tokens the worker looked up in "
-             "its prefix cache (last report).", lambda w: w.load.cache_queries),
-        ):
-            r.callback(name, help_, per_worker(get), ("worker",))
-        r.callback("tandem_delta_protocol_errors_total", "Deltas refused for a gap or an overlap.",
-                   per_worker(lambda w: w.protocol_errors), ("worker",), kind="counter")
+        """Every worker as /workers shows it (tandem.router.views)."""
+        return await views.snapshot(self.links, self._leaving, self.placed, self.kv_feeds)
 
 
 def bootstrap_of(p: WorkerLink, room: int) -> Bootstrap:

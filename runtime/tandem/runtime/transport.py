@@ -6,8 +6,8 @@ wire.MAX_MESSAGE_BYTES. A frame that does not decode is dropped, counted in `bad
 socket kind) and logged at most once a second: no bytes a peer sends can end a receive loop.
 A message that decodes but that its handler refuses (a value out of range, a request that is not
 the sender's, a reply that cannot be routed back) is counted in `protocol_errors` by
-(socket kind, what was wrong) through `refused()`, logged the same rate-limited way. Both counters
-are process-wide; the worker exports them on its health port's `/metrics`.
+(socket kind, what was wrong) through `refused()`, logged the same rate-limited way
+(tandem.runtime.refusals owns both counters; they are named here too, where the sockets are).
 
 Sockets are driven here, not by pyzmq's asyncio layer (`Socket`): a send is one non-blocking call
 per frame, and a receive loop reads every message already queued with non-blocking calls and
@@ -31,8 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
-from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar, cast
 
@@ -43,6 +41,11 @@ import zmq.utils.monitor
 
 from tandem.runtime import auth, wire
 from tandem.runtime.config import ZMQ_HWM
+from tandem.runtime.refusals import bad_messages, dropped, protocol_errors, refused
+
+__all__ = ["Socket", "bad_messages", "close", "context", "count_refused_handshakes", "dealer",
+           "dealer_messages", "disconnects", "forget_context", "keys", "protocol_errors",
+           "readable", "refused", "router", "router_messages", "send_nowait", "use_keys"]
 
 M = TypeVar("M")
 
@@ -50,11 +53,6 @@ M = TypeVar("M")
 # a receive loop yields on purpose every RECV_BATCH messages: a busy peer cannot starve the rest.
 RECV_BATCH = 64
 MAX_FRAMES = 8  # frames of one message kept; a peer's longer message is read to its end, dropped
-# Frames dropped because they did not decode, by decoder name ("worker", "frontend", ...).
-bad_messages: Counter[str] = Counter()
-# Messages that decoded but were refused or could not be answered, by (socket kind, what).
-protocol_errors: Counter[tuple[str, str]] = Counter()
-_last_bad_log = 0.0
 
 # libzmq's calls without pyzmq's Python layer over them (plain ints, no flag enums).
 _raw_send = zmq.backend.Socket.send
@@ -310,28 +308,6 @@ def _recv(sock: Socket) -> list[bytes]:
     return parts
 
 
-def _dropped(decoder: wire.Decoder[M], err: Exception, log: logging.Logger) -> None:
-    global _last_bad_log
-    bad_messages[decoder.name] += 1
-    now = time.monotonic()
-    if now - _last_bad_log >= 1.0:
-        _last_bad_log = now
-        log.warning("dropped a bad message (%d on %s sockets so far): %s",
-                    bad_messages[decoder.name], decoder.name, err)
-
-
-def refused(socket: str, what: str, log: logging.Logger, detail: object = "") -> None:
-    """Count one refused message (or unanswerable peer) in `protocol_errors`, and log it at most
-    once a second over all kinds: bad input must not flood the log."""
-    global _last_bad_log
-    protocol_errors[(socket, what)] += 1
-    now = time.monotonic()
-    if now - _last_bad_log >= 1.0:
-        _last_bad_log = now
-        log.warning("%s socket: %s (%d so far)%s", socket, what, protocol_errors[(socket, what)],
-                    f": {detail}" if detail else "")
-
-
 async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger,
                     frames: int) -> AsyncGenerator[tuple[list[bytes], M], None]:
     """Every message with `frames` frames (the last: the payload), fairly: bad ones are
@@ -368,7 +344,7 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
                         f"{decoder.name}: expected {frames} frames, got {len(parts)}")
                 msg = decoder.decode(parts[-1])
             except wire.ProtocolError as e:
-                _dropped(decoder, e, log)
+                dropped(decoder.name, e, log)
                 continue
             yield parts, msg
     finally:

@@ -30,17 +30,16 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from tandem.kv.transfer.util import count_descriptors, prefault_host_memory
+from tandem.kv.transfer.util import (MemType, count_descriptors, page_descs, prefault_host_memory,
+                                     region_of)
 from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone
 from tandem.runtime.wire import KvLayout
 
 log = logging.getLogger(__name__)
-
-MemType = Literal["DRAM", "VRAM"]
 
 __all__ = ["KvAgent", "MemType", "WriteResult"]
 
@@ -64,25 +63,6 @@ class _Peer:
     removed: bool = False
 
 
-def _page_descs(layout: KvLayout) -> np.ndarray:
-    descs = np.empty((layout.num_pages, 3), dtype=np.uint64)
-    offsets = np.arange(layout.num_pages, dtype=np.uint64) * np.uint64(layout.page_bytes)
-    descs[:, 0] = np.uint64(layout.base_addr) + offsets
-    descs[:, 1] = layout.page_bytes
-    descs[:, 2] = layout.device
-    return descs
-
-
-def _region_of(kv: Any, mem: MemType, device: int) -> tuple[int, int]:
-    """(address, nbytes) of a contiguous page-major KV tensor on the given memory."""
-    if not kv.is_contiguous():
-        raise ValueError("the KV tensor must be contiguous (page-major)")
-    is_cuda = kv.device.type == "cuda"
-    if is_cuda != (mem == "VRAM") or (is_cuda and kv.device.index != device):
-        raise ValueError(f"KV tensor on {kv.device} does not match mem={mem} device={device}")
-    return int(kv.data_ptr()), int(kv.numel() * kv.element_size())
-
-
 class KvAgent:
     """One NIXL agent per worker, owning the registration of its KV pages (`kv`: a contiguous
     page-major tensor, kept alive as long as the agent).
@@ -101,7 +81,7 @@ class KvAgent:
             raise ValueError("page_bytes, num_pages and num_streams must be positive")
         if mem not in ("DRAM", "VRAM"):
             raise ValueError(f"mem must be DRAM or VRAM, not {mem!r}")
-        addr, nbytes = _region_of(kv, mem, device)
+        addr, nbytes = region_of(kv, mem, device)
         if nbytes < page_bytes * num_pages:
             raise ValueError(f"KV region has {nbytes} bytes, pages need {page_bytes * num_pages}")
         try:
@@ -126,7 +106,7 @@ class KvAgent:
         self._agent = nixl_agent(name, config)
         self._agent.create_backend("UCX", {"num_workers": str(num_streams)})
         self._reg = self._agent.register_memory([(addr, page_bytes * num_pages, device, "")], mem)
-        self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(self._layout), mem)
+        self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(self._layout), mem)
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._num_open = 0  # handles made and not yet released
@@ -178,7 +158,7 @@ class KvAgent:
                 if old.layout != layout:
                     raise ValueError(f"peer {name} was added with another layout")
                 return name
-            dlist = self._agent.prep_xfer_dlist(name, _page_descs(layout), layout.mem)
+            dlist = self._agent.prep_xfer_dlist(name, page_descs(layout), layout.mem)
             self._peers[name] = _Peer(name, layout, dlist)
             return name
 
