@@ -20,6 +20,7 @@ from tandem.runtime.channel import MemoryChannel, MemoryRouter
 from tandem.runtime.wire import (Bootstrap, KvCancel, KvDone, KvDones, KvHello, KvHelloReply,
                                  KvLayout, KvRoom, KvRooms)
 from tests.cluster import free_port
+from tests.waits import until
 
 PAGE_BYTES = 4096
 
@@ -89,13 +90,6 @@ async def prefill() -> AsyncIterator[tuple[PrefillSide, SpyMover, MemoryRouter]]
 
 def counted(what: str) -> int:
     return transport.protocol_errors[("bootstrap", what)]
-
-
-async def until(cond, timeout: float = 5.0) -> None:
-    """Let the side's loop run (one pass at a time) until `cond()` holds, within a deadline."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0)
 
 
 async def test_replies_to_peers_that_left_never_end_the_loop(prefill) -> None:

@@ -16,6 +16,7 @@ from tandem.runtime import wire, transport
 from tandem.runtime.wire import Bootstrap, Deltas, Generate, SamplingParams
 from tests.cluster import Cluster, free_port
 from tests.sse import Stream, StreamResult, completion
+from tests.waits import wait_for
 
 PAGE_BYTES = 8192  # the tiny model's page: 2 layers * k/v * 16 tokens * 2 heads * 16 dims * 4 B
 LONG_PROMPT = list(range(10, 110))  # 100 tokens = 7 pages
@@ -132,9 +133,15 @@ def test_client_gone_during_transfer_frees_everything(tiny_model, tmp_path):
                                                      "max_tokens": 8, "stream": True},
                           wait=False)  # the client goes away before the first token
                    for _ in range(3)]
-        time.sleep(0.7)  # requests are in their transfers now
-        busy = {w["role"]: w for w in c.worker_states()}
-        assert busy["decode"]["pages_free"] < busy["decode"]["pages_total"]
+
+        def decode_pages_busy() -> bool:
+            d = next(w for w in c.worker_states() if w["role"] == "decode")
+            return bool(d["pages_free"] < d["pages_total"])
+
+        # (the decode worker reserves a request's pages before its slow transfer starts, and
+        # holds them until it ends)
+        wait_for(decode_pages_busy, "the decode worker holds pages for the transfers",
+                 timeout=20)
         for s in streams:
             s.close()
         c.assert_idle(timeout=15)  # D's pages come back once P's writes have ended

@@ -39,6 +39,7 @@ from tandem.worker.health import HealthServer
 from tandem.worker.metrics import worker_registry
 from tandem.worker.server import WorkerServer
 from tests.cluster import ENV, free_port, spawn
+from tests.waits import until
 
 VOCAB = 500
 
@@ -139,13 +140,6 @@ async def worker(mock_dir: str, zmq_socket: bool = False, **cfg: Any) -> AsyncIt
         await engine.shutdown()
         assert engine.pool.idle()  # every page came back (free or cached)
         engine.pool.check()
-
-
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    """Let the loop run (one pass at a time) until `cond()` holds, within a deadline."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0)
 
 
 BAD = {

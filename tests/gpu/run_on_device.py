@@ -32,7 +32,9 @@ left out (only `--http-server granian` imports it).
 
 On any machine, no GPU needed: `--dry-run` checks the wheels (each one there, one version each),
 installs them into a scratch target for the device's Python (3.12, manylinux x86_64), checks that
-the GPU tests are collected and that the benchmark commands start, and runs nothing on a GPU.
+the GPU tests are collected and that the benchmark commands start, in the environment the real
+run gives its steps (`device_env`: tandem from this tree, never an installed one; the wheels'
+target on the path when this Python is the device's 3.12), and runs nothing on a GPU.
 tests/gpu/test_run_on_device.py runs it in `make test`.
 """
 
@@ -64,8 +66,9 @@ WHEELS = {
     "nixl-cu13": "1.5.1",
 }
 # The device's interpreter and platform, for `pip download` and the install into the target.
+TARGET_PYTHON = (3, 12)
 TARGET_TAGS = [
-    "--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
+    "--python-version", "%d.%d" % TARGET_PYTHON, "--implementation", "cp", "--only-binary=:all:",
     *(a for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                     "manylinux2014_x86_64", "manylinux1_x86_64") for a in ("--platform", tag)),
 ]
@@ -270,12 +273,29 @@ def summary(steps: list[Step], results: Path, work: Path) -> str:
     return "\n".join(out)
 
 
+def device_env(site: Path | None) -> dict[str, str]:
+    """The environment every step runs in, the dry run's too: tandem from this tree (the machine
+    has it nowhere else), the carried wheels' `site` before what the machine has, then any
+    PYTHONPATH the caller set; UCX's settings unless the caller set them."""
+    path = [*([str(site)] if site is not None else []), str(REPO / "runtime"),
+            str(REPO / "components"), str(REPO)]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
+    return {**os.environ, **{k: os.environ.get(k, v) for k, v in UCX_ENV.items()},
+            "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+
+
 def dry_run(wheels: list[Path], site: Path, py: str) -> int:
     """Everything that needs no GPU: the wheels install into a target for the device's Python,
     the GPU tests are collected, the benchmark commands start."""
     install(wheels, site)
     print(f"installed {len(wheels)} wheels into {site} for cp312 manylinux x86_64")
-    env = {**os.environ, **UCX_ENV}
+    target = sys.version_info[:2] == TARGET_PYTHON
+    if not target:  # (their compiled modules would not load here; this Python's own are used)
+        print(f"this is Python {sys.version_info[0]}.{sys.version_info[1]}, the wheels are for "
+              f"{TARGET_PYTHON[0]}.{TARGET_PYTHON[1]}: checking with this Python's packages in "
+              "their place, on the real run's path otherwise")
+    env = device_env(site if target else None)
     out = subprocess.run([py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           "-m", "gpu", "tests/gpu"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -308,9 +328,7 @@ def real_run(wheels: list[Path], site: Path, results: Path, budget_s: float) -> 
     logs = work / "logs"
     logs.mkdir()
     install(wheels, site)
-    path = [str(site), str(REPO / "runtime"), str(REPO / "components"), str(REPO)]
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in UCX_ENV.items()},
-           "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    env = device_env(site)
     runner = Runner(logs, env, budget_s)
     py = sys.executable
     for step in plan(py, work, results):

@@ -10,8 +10,8 @@
 #
 #     tests/gpu/run_on_device.sh [--results DIR] [--budget-s 480]
 #
-# On the device tool of this workplace: run(command="tests/gpu/run_on_device.sh",
-# carry=[".whl"], timeout_s=600); the results come back from $OUT.
+# On a GPU machine reached through a remote runner: run this command there with .whl/ carried
+# beside the tree; the results go to $OUT when the runner sets it.
 # Anywhere, no GPU: `tests/gpu/run_on_device.sh --dry-run` checks all that needs none.
 # What each step does, its deadline and the wheel pins: tests/gpu/run_on_device.py.
 set -euo pipefail

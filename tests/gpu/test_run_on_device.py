@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
@@ -39,16 +40,21 @@ def stand_in_wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(*args: str, python: str = sys.executable,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "PYTHON": sys.executable})
+                          timeout=240, env={**(env or os.environ), "PYTHON": python})
+
+
+def stand_in_wheels(folder: Path) -> Path:
+    folder.mkdir()
+    for name, version in WHEELS.items():
+        stand_in_wheel(folder, name, version)
+    return folder
 
 
 def test_dry_run_installs_the_wheels_and_collects_the_gpu_tests(tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for name, version in WHEELS.items():
-        stand_in_wheel(wheels, name, version)
+    wheels = stand_in_wheels(tmp_path / "wheels")
     site = tmp_path / "site"
     out = run("--dry-run", "--wheels", str(wheels), "--site", str(site))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -97,4 +103,25 @@ def test_gpu_tests_live_where_the_script_looks() -> None:
 def test_dry_run_over_the_real_wheels(tmp_path: Path) -> None:
     out = run("--dry-run", "--site", str(tmp_path / "site"))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "dry run ok" in out.stdout
+
+
+def test_dry_run_with_a_python_that_has_no_tandem_installed(tmp_path: Path) -> None:
+    """As on the device: an interpreter with the libraries but no tandem (this one's base
+    interpreter, this environment's packages on its path: a path entry's .pth files, tandem's
+    editable install among them, are not read). The dry run's steps get the real run's path,
+    tandem from this tree, so the GPU tests are collected."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    if not base.exists() or sys.prefix == sys.base_prefix:
+        pytest.skip("needs a virtual environment over a base interpreter")
+    packages = sysconfig.get_paths()["purelib"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env["PYTHONPATH"] = packages
+    no_tandem = subprocess.run([str(base), "-c", "import tandem"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+    assert "No module named 'tandem'" in no_tandem.stderr  # (the premise)
+    out = run("--dry-run", "--wheels", str(stand_in_wheels(tmp_path / "wheels")), "--site",
+              str(tmp_path / "site"), python=str(base), env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tests/gpu/test_pd_cuda.py::test_pd_on_cuda_equals_agg" in out.stdout
     assert "dry run ok" in out.stdout

@@ -15,6 +15,7 @@ from tandem.router.discovery import (
     getaddrinfo_resolver,
     parse_workers,
 )
+from tests.waits import until
 
 
 class FakeDNS:
@@ -169,8 +170,9 @@ async def test_loop_re_resolves_and_close_cancels_it() -> None:
     c = await asyncio.wait_for(changes.get(), 2.0)
     assert c == Change(("tcp://127.0.0.5:7100",), ())
     dns.records["w"] = OSError("resolver down")
-    await asyncio.sleep(0.05)  # several failing rounds: the loop lives on
-    assert d.polling
+    failing_from = len(dns.calls)
+    await until(lambda: len(dns.calls) >= failing_from + 3)  # two whole failing rounds, and on
+    assert d.polling  # the loop lives on
     assert d.addresses == ("tcp://127.0.0.1:7100", "tcp://127.0.0.5:7100")
     await d.close()
     assert not d.polling

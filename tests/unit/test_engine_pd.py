@@ -8,8 +8,9 @@ handoff began frees at once; every scenario ends with every page free."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,15 @@ class Spec:
         return self.kind(host, self.channel)
 
 
-async def engine(mock_dir: str, kind: type, channel: Any, **kw: Any) -> MockEngine:
+@contextlib.asynccontextmanager
+async def engine(mock_dir: str, kind: type, channel: Any, **kw: Any) -> AsyncIterator[MockEngine]:
+    """A started mock engine with this handoff, shut down however the test ends."""
     e = MockEngine(mock_dir, page_size=4, num_pages=32, handoff=Spec(kind, channel), **kw)
     await e.start()
-    return e
+    try:
+        yield e
+    finally:
+        await e.shutdown()
 
 
 def first_ids(prompt: list[int], n: int) -> list[int]:
@@ -119,8 +125,7 @@ def first_ids(prompt: list[int], n: int) -> list[int]:
 
 async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch)
-    try:
+    async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0)
@@ -134,8 +139,6 @@ async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
         await finished(run)
         assert run.outputs[0][0] == want[:1] and run.ids == want and run.finish == "length"
         await wait_idle(d)
-    finally:
-        await d.shutdown()
 
 
 async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
@@ -144,8 +147,7 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
     its first token goes out when the K/V is in place, while the step still runs (the busy
     request's outputs are the clock: none arrives in between)."""
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch)
-    try:
+    async with engine(mock_dir, DecodeHandoff, ch) as d:
         busy = Recorder(d).submit(d, "busy", [7, 8], SamplingParams(max_tokens=50))  # (agg)
 
         def slow_down(_: Run) -> None:  # in the sink, so before the next step starts: from
@@ -169,14 +171,11 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
             await asyncio.sleep(0.001)
         assert run.outputs[0][0] == want[:1]
         assert len(busy.outputs) == seen  # the step that was running has not ended yet
-    finally:
-        await d.shutdown()
 
 
 async def test_decode_failure_ends_at_once_but_pages_wait_for_release(mock_dir: str) -> None:
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch)
-    try:
+    async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0)
@@ -187,14 +186,11 @@ async def test_decode_failure_ends_at_once_but_pages_wait_for_release(mock_dir: 
         assert d.load().pages_reserved > 0  # quarantined: a write might still land
         ch.writes_over()
         await wait_idle(d)
-    finally:
-        await d.shutdown()
 
 
 async def test_decode_cancelled_mid_fetch_is_silent_and_quarantined(mock_dir: str) -> None:
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch)
-    try:
+    async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while ch.result is None:
             await asyncio.sleep(0)
@@ -204,14 +200,11 @@ async def test_decode_cancelled_mid_fetch_is_silent_and_quarantined(mock_dir: st
         assert d.load().pages_reserved > 0 and run.outputs == []
         ch.writes_over()
         await wait_idle(d)
-    finally:
-        await d.shutdown()
 
 
 async def test_decode_cancelled_before_its_fetch_began_frees_at_once(mock_dir: str) -> None:
     ch = FakeDecodeChannel()
-    d = await engine(mock_dir, DecodeHandoff, ch)
-    try:
+    async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         while d.load().pages_reserved == 0:  # reserved; the fetch task has not run yet
             await asyncio.sleep(0)
@@ -219,14 +212,11 @@ async def test_decode_cancelled_before_its_fetch_began_frees_at_once(mock_dir: s
         run.handle.cancel()
         await wait_idle(d)
         assert ch.calls == [] and run.outputs == []
-    finally:
-        await d.shutdown()
 
 
 async def test_prefill_waits_for_room_writes_then_ends(mock_dir: str) -> None:
     ch = FakePrefillChannel()
-    p = await engine(mock_dir, PrefillHandoff, ch)
-    try:
+    async with engine(mock_dir, PrefillHandoff, ch) as p:
         assert p.bootstrap_addr == "fake:1"
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         async with asyncio.timeout(10):  # computed, waiting for the room: its pages held
@@ -244,15 +234,12 @@ async def test_prefill_waits_for_room_writes_then_ends(mock_dir: str) -> None:
         assert run.outputs == [(first_ids([4, 5, 6], 1), "length", 1)]
         assert ch.failed == []
         await wait_idle(p)
-    finally:
-        await p.shutdown()
 
 
 async def test_prefill_cancelled_during_its_write_keeps_pages_until_it_ends(
         mock_dir: str) -> None:
     ch = FakePrefillChannel()
-    p = await engine(mock_dir, PrefillHandoff, ch)
-    try:
+    async with engine(mock_dir, PrefillHandoff, ch) as p:
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
@@ -265,28 +252,22 @@ async def test_prefill_cancelled_during_its_write_keeps_pages_until_it_ends(
         ch.writes[0].set_result(None)
         await wait_idle(p)
         assert run.outputs == [] and ch.failed == []
-    finally:
-        await p.shutdown()
 
 
 async def test_prefill_cancelled_before_its_write_fails_the_room(mock_dir: str) -> None:
     ch = FakePrefillChannel()
-    p = await engine(mock_dir, PrefillHandoff, ch)
-    try:
+    async with engine(mock_dir, PrefillHandoff, ch) as p:
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         await asyncio.sleep(0.01)
         assert run.handle is not None
         run.handle.cancel()
         await wait_idle(p)
         assert ch.failed == [(7, "the prefill request was aborted")] and run.outputs == []
-    finally:
-        await p.shutdown()
 
 
 async def test_prefill_write_failure_ends_with_a_kv_error(mock_dir: str) -> None:
     ch = FakePrefillChannel()
-    p = await engine(mock_dir, PrefillHandoff, ch)
-    try:
+    async with engine(mock_dir, PrefillHandoff, ch) as p:
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
@@ -296,5 +277,3 @@ async def test_prefill_write_failure_ends_with_a_kv_error(mock_dir: str) -> None
         await finished(run)
         assert isinstance(run.error, KvHandoffError)
         await wait_idle(p)
-    finally:
-        await p.shutdown()

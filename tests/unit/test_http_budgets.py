@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,6 +18,7 @@ from tandem.frontend.limits import HttpLimits
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.server import HttpServer, UvicornServer, make_server
 from tests.fakes import FakePool, write_model_dir
+from tests.waits import until
 
 BUDGET = 1000  # bytes of bodies in flight, over all connections
 # Deadlines far past any test's length: a held connection is only closed by what is tested.
@@ -46,13 +47,6 @@ async def server(pre: Preprocessor) -> AsyncIterator[HttpServer]:
         yield s
     finally:
         await s.stop()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for `cond()`: a deadline for a hang, not a bound on how fast the server is."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 def completion(size: int) -> bytes:
@@ -88,7 +82,7 @@ async def test_a_body_past_the_budget_gets_503_and_every_byte_comes_back(
     a_body = completion(800)
     ra, wa = await connect(server)  # A: 600 of its 800 bytes, held
     wa.write(post_head(800) + a_body[:600])
-    await until(lambda: bodies.in_flight == 600)
+    await until(lambda: bodies.in_flight == 600, every=0.005)
     # B declares more than is free: refused before it sends its body.
     rb, wb = await connect(server)
     wb.write(post_head(600))
@@ -99,7 +93,7 @@ async def test_a_body_past_the_budget_gets_503_and_every_byte_comes_back(
     # C declares nothing (chunked): its first 300 bytes fit, the next 300 do not.
     rc, wc = await connect(server)
     wc.write(post_head(None) + b"12c\r\n" + b"a" * 300 + b"\r\n")
-    await until(lambda: bodies.in_flight == 900)
+    await until(lambda: bodies.in_flight == 900, every=0.005)
     wc.write(b"12c\r\n" + b"a" * 300 + b"\r\n")
     status, headers, err = await response(rc)
     assert status == 503 and headers["retry-after"] == "1"
@@ -127,10 +121,10 @@ async def test_a_body_that_never_completes_gives_its_bytes_back(pre: Preprocesso
         bodies = s.app.bodies
         r, w = await connect(s)
         w.write(post_head(800) + completion(800)[:600])
-        await until(lambda: bodies.in_flight == 600)
+        await until(lambda: bodies.in_flight == 600, every=0.005)
         if how == "leaves":
             w.close()
-            await until(lambda: bodies.in_flight == 0)
+            await until(lambda: bodies.in_flight == 0, every=0.005)
         else:
             status, _, err = await response(r)  # the body deadline passes: 408
             assert status == 408 and err["error"]["type"] == "invalid_request_error"
@@ -171,7 +165,7 @@ async def test_one_clients_connections_past_its_cap_get_503_and_others_are_serve
     # The first client's connections, once closed, are its own again.
     for _, hw in held + extra:
         hw.close()
-    await until(lambda: "127.0.0.1" not in clients)
+    await until(lambda: "127.0.0.1" not in clients, every=0.005)
     r, w = await connect(server)
     w.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
     status, _, _ = await response(r)

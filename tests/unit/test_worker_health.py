@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 
 import pytest
 
 from tandem.worker.health import HealthServer
+from tests.waits import until
 
 
 async def exchange(port: int, raw: bytes, *, read_timeout: float = 3.0) -> tuple[int, dict, bytes]:
@@ -25,13 +25,6 @@ async def exchange(port: int, raw: bytes, *, read_timeout: float = 3.0) -> tuple
     status = int(lines[0].split(" ")[1])
     headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
     return status, headers, body
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for `cond()`: a deadline for a hang, not a bound on how fast the server is."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 def get(path: str, method: str = "GET") -> bytes:
@@ -145,7 +138,7 @@ async def test_close_ends_open_connections_and_frees_the_port() -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /live HTTP/1.1\r\n")  # half a request: the handler waits
     await writer.drain()
-    await until(lambda: srv.num_connections == 1)  # the handler took it
+    await until(lambda: srv.num_connections == 1, every=0.005)  # the handler took it
     await asyncio.wait_for(srv.close(), 2.0)  # does not wait out the 30 s read deadline
     assert srv.num_connections == 0 and not srv.serving
     assert await asyncio.wait_for(reader.read(), 2.0) == b""  # our connection was closed
@@ -169,4 +162,4 @@ async def test_many_concurrent_probes() -> None:
     async with HealthServer(lambda: (True, "")) as srv:
         results = await asyncio.gather(*(exchange(srv.port, get("/health")) for _ in range(50)))
         assert [r[0] for r in results] == [200] * 50
-        await until(lambda: srv.num_connections == 0)  # each handler ends once it has answered
+        await until(lambda: srv.num_connections == 0, every=0.005)  # each handler ends once it has answered
