@@ -29,7 +29,7 @@ import torch
 from tandem.engines.base import EngineOutput, EngineRequest
 from tandem.engines.grammars import Deferred
 from tandem.engines.reference import ReferenceEngine, write_tiny_model
-from tandem.engines.reference.grammar import Constraint
+from tandem.engines.reference.grammar import GrammarState
 from tandem.runtime.wire import SamplingParams
 
 SCHEMA = json.dumps({"type": "array", "minItems": 100000,
@@ -77,7 +77,7 @@ async def measure(model: str, streams: int, tokens: int, runs: int) -> dict[str,
         first.compile()  # (what the engine's compile thread runs)
         cold = time.perf_counter() - t0
         t0 = time.perf_counter()
-        assert isinstance(grammars.constraint(req, "reference"), Constraint)  # (the cache)
+        assert isinstance(grammars.constraint(req, "reference"), GrammarState)  # (the cache)
         warm = time.perf_counter() - t0
         sides: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for r in range(runs + 1):  # run 0 of each side warms up

@@ -20,8 +20,6 @@ from tandem import flags, up
 from tandem.config import Common, FrontendConfig, LOG_LEVELS, WorkerConfig, served_name
 from tandem.up_config import UpConfig
 
-COMMANDS = ("model", "keys", "worker", "frontend", "up")
-
 
 @dataclass(frozen=True)
 class Command:

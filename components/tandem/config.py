@@ -179,7 +179,7 @@ class WorkerConfig(MockTiming, Common):
                                    "its requests ended", flag="--frontend-silent-timeout",
                                    type=positive_float)
     kv_events: bool = opt(True, "publish the engine's KV cache events (BlockStored, "
-                          "BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket in the format vLLM "
+                          "BlockRemoved) on a ZMQ PUB socket in the format vLLM "
                           "and SGLang use, with a replay socket; the handshake tells frontends "
                           "where (mock and reference engines with the prefix cache on; for "
                           "--engine sglang pass SGLang's own --kv-events-config)")

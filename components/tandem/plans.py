@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.ports import free_port
+from tandem.runtime.transport import url_host
 
 Kind = Literal["worker", "frontend"]
 WILDCARDS = ("0.0.0.0", "::", "[::]")
@@ -99,10 +100,6 @@ def reach_host(host: str, advertise_host: str = "") -> str:
     return advertise_host or ("127.0.0.1" if host in WILDCARDS else host)
 
 
-def _in_url(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def plan(shape: Shape, model: str, *, host: str = "127.0.0.1", advertise_host: str = "",
          http_port: int = 0, worker_base_port: int = 0, bootstrap_base_port: int = 0,
          health_base_port: int | None = None, frontends: int = 1,
@@ -121,7 +118,7 @@ def plan(shape: Shape, model: str, *, host: str = "127.0.0.1", advertise_host: s
     roles = shape.roles()
     cid = cluster_id or f"up{os.getpid()}"
     counts = {r: roles.count(r) for r in set(roles)}
-    reach, probe = reach_host(host, advertise_host), _in_url(reach_host(host))
+    reach, probe = reach_host(host, advertise_host), url_host(reach_host(host))
     owners: dict[int, str] = {}
     nxt = worker_base_port
 
@@ -166,7 +163,7 @@ def plan(shape: Shape, model: str, *, host: str = "127.0.0.1", advertise_host: s
             ports += (health,)
             argv += ["--health-port", str(health)]
         workers.append(Child(
-            name, "worker", (*argv, *worker_args), ports, f"tcp://{_in_url(reach)}:{port}", wname,
+            name, "worker", (*argv, *worker_args), ports, f"tcp://{url_host(reach)}:{port}", wname,
             role, boot, health, f"http://{probe}:{health}" if health else ""))
     addrs = (*(w.address for w in workers), *elsewhere)
     http = claim(http_port or free_port(host), "frontend HTTP") if frontends else 0

@@ -23,7 +23,7 @@ from tests.waits import until
 BUDGET = 1000  # bytes of bodies in flight, over all connections
 # Deadlines far past any test's length: a held connection is only closed by what is tested.
 LIMITS = HttpLimits(max_connections=20, header_timeout_s=60.0, idle_timeout_s=60.0,
-                    body_timeout_s=60.0, max_connections_per_client=5)
+                    max_connections_per_client=5)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from tests.fakes import FakePool, write_model_dir
 # (One client may hold every connection here: the total cap is what is tested; the cap per
 # client address, in test_http_budgets.py.)
 LIMITS = HttpLimits(max_connections=20, header_timeout_s=0.3, idle_timeout_s=1.0,
-                    body_timeout_s=0.3, max_header_bytes=4096, max_connections_per_client=20)
-CONFIG = FrontendConfig(served_model_name="tiny", http_body_timeout_s=LIMITS.body_timeout_s)
+                    max_header_bytes=4096, max_connections_per_client=20)
+CONFIG = FrontendConfig(served_model_name="tiny", http_body_timeout_s=0.3)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tandem.runtime import kv_events
 from tandem.runtime.kv_events import (
     END_SEQ, REPLAY_END, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEventsError,
-    decode_batch, decode_live, decode_replay, encode_batch, live_frames, parse_replay_request,
+    decode_batch, decode_live, decode_replay, encode_batch, live_frames, parse_replay_start,
     replay_request, seq_frame,
 )
 from tandem.runtime.wire import ProtocolError
@@ -380,8 +380,8 @@ def test_replay_answers_of_both_engines() -> None:
 
 def test_replay_requests() -> None:
     assert replay_request(5) == [b"", b"\x00" * 7 + b"\x05"]
-    assert parse_replay_request([b"id", *replay_request(5)]) == (b"id", 5)
-    for bad in ([b"id", b"", b"\x05"], [b"id", b"x", seq_frame(1)], [b"", b"", seq_frame(1)],
-                [b"id", seq_frame(1)]):
+    assert parse_replay_start(replay_request(5)) == 5  # (after the ROUTER's identity frame)
+    for bad in ([b"", b"\x05"], [b"x", seq_frame(1)], [b"", b"", seq_frame(1)],
+                [seq_frame(1)]):
         with pytest.raises(KvEventsError):
-            parse_replay_request(bad)
+            parse_replay_start(bad)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 import zmq
@@ -192,7 +192,7 @@ async def test_publish_never_raises_and_counts(pub: KvEventPublisher) -> None:
 
 async def test_bad_replay_requests_are_counted_and_answered_by_nothing(
         pub: KvEventPublisher) -> None:
-    before = transport.protocol_errors[("kv-replay", "bad replay request")]
+    before = transport.bad_messages["kv-replay"]
     d = actx().socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(pub.replay_addr)
@@ -204,7 +204,7 @@ async def test_bad_replay_requests_are_counted_and_answered_by_nothing(
             assert decode_replay(await d.recv_multipart()) is None
     finally:
         d.close()
-    assert transport.protocol_errors[("kv-replay", "bad replay request")] == before + 2
+    assert transport.bad_messages["kv-replay"] == before + 2  # (frames that do not decode)
 
 
 async def test_close_is_safe_twice_and_publish_after_it_does_nothing() -> None:
@@ -245,19 +245,29 @@ async def test_with_the_cluster_keys_a_subscriber_needs_them(tmp_path: object) -
         return sum(n for (s, what), n in transport.protocol_errors.items()
                    if s == socket and what.startswith("handshake"))
 
-    async for p in publisher(keys=keys):
-        sub, plain, dealer = subscriber(p, keys), subscriber(p), actx().socket(zmq.DEALER)
-        before = refused("kv-events"), refused("kv-replay")
-        try:
-            assert await joined(p, sub) >= 0  # CURVE on both sides: batches arrive
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(p.replay_addr)
-            async with asyncio.timeout(DEADLINE):  # keyless peers: refused (so sent nothing)
-                while refused("kv-events") == before[0] or refused("kv-replay") == before[1]:
-                    await asyncio.sleep(0.01)
-        finally:
-            for s in (sub, plain, dealer):
-                s.close()
+    transport.use_keys(keys)  # (the process's keys: every socket it binds uses them)
+    try:
+        async for p in publisher():
+            transport.use_keys(None)
+            await _keyless_peers_are_refused(p, keys, refused)
+    finally:
+        transport.use_keys(None)
+
+
+async def _keyless_peers_are_refused(p: KvEventPublisher, keys: auth.ClusterKeys,
+                                     refused: Callable[[str], int]) -> None:
+    sub, plain, dealer = subscriber(p, keys), subscriber(p), actx().socket(zmq.DEALER)
+    before = refused("kv-events"), refused("kv-replay")
+    try:
+        assert await joined(p, sub) >= 0  # CURVE on both sides: batches arrive
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(p.replay_addr)
+        async with asyncio.timeout(DEADLINE):  # keyless peers: refused (so sent nothing)
+            while refused("kv-events") == before[0] or refused("kv-replay") == before[1]:
+                await asyncio.sleep(0.01)
+    finally:
+        for s in (sub, plain, dealer):
+            s.close()
 
 
 @pytest.mark.parametrize("args, want", [

@@ -116,7 +116,7 @@ class Engine(abc.ABC):
     num_pages: int = 0
     bootstrap_addr: str = ""  # prefill role: where decode engines reach this engine's KV handoff
     # Where an engine with a prefix cache (tandem's own) hands the KV events of each step that made
-    # some (BlockStored, BlockRemoved, AllBlocksCleared), once per step, on the event loop; the
+    # some (BlockStored, BlockRemoved), once per step, on the event loop; the
     # worker sets it to its publisher's `publish` (tandem.worker.kv_events) when events are on.
     on_kv_events: Callable[[list[KvEvent]], None] | None = None
     spec: ModelSpec

@@ -96,10 +96,6 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_completion(self) -> int:
-        return len(self.output_ids)
-
-    @property
     def position(self) -> int:
         """Completion tokens before the next one, counting an earlier leg's (its draw position)."""
         return self.resume + len(self.output_ids)

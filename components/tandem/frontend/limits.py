@@ -39,20 +39,19 @@ MAX_HEADER_BYTES = 64 * 1024
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """The limits of one server: `of(config)` makes them from the frontend's flags."""
+    """The limits of one server: `of(config)` makes them from the frontend's flags. (A body's
+    deadline is the app's: it reads `http_body_timeout_s` itself, tandem.frontend.app.)"""
 
     max_connections: int
     header_timeout_s: float
     idle_timeout_s: float  # keep-alive: idle between requests
-    body_timeout_s: float
     max_header_bytes: int = MAX_HEADER_BYTES
     max_connections_per_client: int = 0  # 0: half of max_connections
 
     @classmethod
     def of(cls, config: FrontendConfig) -> HttpLimits:
         return cls(config.max_connections, config.http_header_timeout_s,
-                   config.http_idle_timeout_s, config.http_body_timeout_s,
-                   max_connections_per_client=config.max_connections_per_client)
+                   config.http_idle_timeout_s, max_connections_per_client=config.max_connections_per_client)
 
     @property
     def per_client(self) -> int:

@@ -116,10 +116,6 @@ class Preprocessor:
             raise ValueError("FrontendConfig.model (the model directory) is not set")
         return cls(config.model, config.served_model_name)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._templates)
-
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None,
                     add_generation_prompt: bool = True) -> str:

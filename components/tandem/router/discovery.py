@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.runtime import lifecycle
+from tandem.runtime.transport import url_host
 
 log = logging.getLogger("tandem.discovery")
 
@@ -83,7 +84,7 @@ class Change:
 
 
 def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{url_host(host)}:{port}"
 
 
 def tcp_address(host: str, port: int) -> str:

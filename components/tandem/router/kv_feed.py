@@ -1,33 +1,36 @@
-"""One worker's KV event stream into the `kv` policy's index (tandem.router.kv_index): a SUB
-socket on the worker's event address (its handshake says where), and, when batches were lost, a
-replay request on its replay socket (tandem.runtime.kv_events has the frames; the module
-docstring of tandem.router.kv_index what a gap does to the index).
+"""One worker's KV event stream into the `kv` policy's index (tandem.router.kv_index): a
+subscriber on the worker's event address (its handshake says where), and, when batches were lost,
+a replay request on its replay socket (tandem.runtime.kv_events has the frames; the module
+docstring of tandem.router.kv_index what a gap does to the index). Both are channels
+(tandem.runtime.frames, with the format's codecs: `Subscribe` and `Ask` make them), so a feed
+runs on memory ends in tests as it runs on sockets.
 
 A feed is a task the pool owns (started when the worker says hello with an event address, ended
-when it leaves or the pool closes). Every frame is untrusted: one that does not decode is counted
-(`bad`) and dropped; a replay has a deadline (`REPLAY_TIMEOUT_S`) and a cap on its batches, and a
-replay that fails is a replay that returned nothing (the index starts over if it must). Events
-are applied on the event loop as they arrive: one batch per engine step per worker.
+when it leaves or the pool closes). Every frame is untrusted: one that does not decode is dropped
+by the channel's receive loop, counted (`bad`, and in `transport.bad_messages`) and logged
+rate-limited; a replay has a deadline (`REPLAY_TIMEOUT_S`) and a cap on its batches, and a replay
+that fails is a replay that returned nothing (the index starts over if it must). Events are
+applied on the event loop as they arrive: one batch per engine step per worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from tandem.router.kv_index import EventLog
 from tandem.router.kv_policy import KvAware
-from tandem.runtime import auth, transport
+from tandem.runtime.channel import Channel, ChannelFull
+from tandem.runtime.frames import FrameChannel, FrameCodec
+from tandem.runtime.kv_events import REPLAY_ASKED, SUBSCRIBED, KvEvent, LiveBatch, ReplayBatch
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.metrics import Registry
-from tandem.runtime.kv_events import (KvEvent, KvEventsError, decode_live, decode_replay,
-                                      replay_request)
 
 log = logging.getLogger("tandem.router")
 
@@ -35,49 +38,59 @@ REPLAY_TIMEOUT_S = 5.0
 MAX_REPLAY_BATCHES = 20_000  # (a worker buffers 10,000 by default)
 SUB_HWM = 100_000
 
+Subscribe = Callable[[str, FrameCodec[Any, LiveBatch]], Channel[Any, LiveBatch]]
+"""`subscribe(address, codec)` -> the worker's live stream, decoded by `codec`."""
+Ask = Callable[[str, FrameCodec[int, ReplayBatch | None]], Channel[int, ReplayBatch | None]]
+"""`ask(address, codec)` -> a channel to the worker's replay socket, for one request."""
+
+
+def zmq_subscribe(address: str, codec: FrameCodec[Any, LiveBatch]) -> Channel[Any, LiveBatch]:
+    return FrameChannel.subscriber(address, codec, log, ((zmq.RCVHWM, SUB_HWM),))
+
+
+def zmq_ask(address: str, codec: FrameCodec[int, ReplayBatch | None]
+            ) -> Channel[int, ReplayBatch | None]:
+    return FrameChannel.dealer(address, b"kv-replay-" + secrets.token_hex(8).encode(), codec, log)
+
 
 class KvFeed:
     def __init__(self, name: str, events_addr: str, replay_addr: str, events: EventLog,
-                 clock: Callable[[], float] = time.monotonic,
-                 keys: auth.ClusterKeys | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 subscribe: Subscribe = zmq_subscribe, ask: Ask = zmq_ask) -> None:
         self.name, self.events_addr, self.replay_addr = name, events_addr, replay_addr
         self.events = events
         self.clock = clock
-        self.keys = keys
-        self.bad = 0  # frames that did not decode
+        self._subscribe, self._ask = subscribe, ask
+        self.bad = 0  # messages that did not decode
         self.replays = 0  # replay requests made
         self.seconds = 0.0  # wall time spent decoding and applying events
-        self._ctx = zmq.asyncio.Context.shadow(transport.context())
+        # (the format's codecs, counting what this worker sends that does not decode)
+        self._live = FrameCodec(SUBSCRIBED.name, SUBSCRIBED.encode, self._counted(SUBSCRIBED))
+        self._asked = FrameCodec(REPLAY_ASKED.name, REPLAY_ASKED.encode,
+                                 self._counted(REPLAY_ASKED))
 
-    def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, SUB_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        if self.keys is not None:
-            auth.make_client(sock, self.keys)
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(address)
-        return sock
+    def _counted(self, codec: FrameCodec[Any, Any]) -> Callable[[list[bytes]], Any]:
+        decode = codec.decode
+
+        def counted(frames: list[bytes]) -> Any:
+            try:
+                return decode(frames)
+            except Exception:
+                self.bad += 1
+                raise
+        return counted
 
     async def run(self) -> None:
         """Catch up on what the worker still buffers (a frontend that starts after the worker
         learns what it holds now, not only from its next event), then read the stream until
-        cancelled (batches that came meanwhile wait in the SUB socket; those already replayed
+        cancelled (batches that came meanwhile wait in the subscriber; those already replayed
         are skipped)."""
-        sub = self._socket(zmq.SUB, self.events_addr)
+        live = self._subscribe(self.events_addr, self._live)
         try:
             got = await self.replay(0)
             self.events.replayed(got, self.clock(), catching_up=True)
-            while True:
-                frames = await sub.recv_multipart()
+            async for batch in live:
                 t0 = time.perf_counter()
-                try:
-                    batch = decode_live(frames)
-                except KvEventsError as e:
-                    self._bad(e)
-                    continue
                 want = self.events.live(batch.seq, batch.batch.events, self.clock())
                 self.seconds += time.perf_counter() - t0
                 if want is not None:
@@ -86,41 +99,29 @@ class KvFeed:
                     self.events.replayed(got, self.clock())
                     self.seconds += time.perf_counter() - t0
         finally:
-            sub.close(0)
+            live.close()
 
     async def replay(self, start: int) -> Sequence[tuple[int, Sequence[KvEvent]]]:
-        """Every batch the worker still buffers from `start` on ([] if the replay fails)."""
+        """Every batch the worker still buffers from `start` on (what came, if the replay
+        fails or passes its deadline)."""
         self.replays += 1
         if not self.replay_addr:
             return []
-        sock = self._socket(zmq.DEALER, self.replay_addr)
+        channel = self._ask(self.replay_addr, self._asked)
         out: list[tuple[int, Sequence[KvEvent]]] = []
         try:
-            await sock.send_multipart(replay_request(start))
-            deadline = self.clock() + REPLAY_TIMEOUT_S
-            while len(out) < MAX_REPLAY_BATCHES:
-                left = deadline - self.clock()
-                if left <= 0 or not await sock.poll(left * 1000):
-                    log.warning("worker %s: KV event replay from %d timed out after %d batches",
-                                self.name, start, len(out))
-                    return out
-                try:
-                    got = decode_replay(await sock.recv_multipart())
-                except KvEventsError as e:
-                    self._bad(e)
-                    return out
-                if got is None:
-                    return out
-                out.append((got.seq, got.batch.events))
-            return out
+            channel.send_nowait(start)
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                async for got in channel:
+                    if got is None or len(out) >= MAX_REPLAY_BATCHES:
+                        return out
+                    out.append((got.seq, got.batch.events))
+        except (TimeoutError, ChannelFull) as e:
+            log.warning("worker %s: KV event replay from %d ended after %d batches: %s",
+                        self.name, start, len(out), type(e).__name__)
         finally:
-            sock.close(0)
-
-    def _bad(self, e: Exception) -> None:
-        self.bad += 1
-        if self.bad == 1 or self.bad % 1000 == 0:
-            log.warning("worker %s: dropped a KV event message that does not decode (%d so "
-                        "far): %s", self.name, self.bad, e)
+            channel.close()
+        return out
 
 
 class KvFeeds:
@@ -130,9 +131,10 @@ class KvFeeds:
     when it leaves, all closed with the pool.
     Also what `/workers` and `/metrics` show of the index per worker."""
 
-    def __init__(self, policy: KvAware, keys: auth.ClusterKeys | None = None) -> None:
+    def __init__(self, policy: KvAware, *, subscribe: Subscribe = zmq_subscribe,
+                 ask: Ask = zmq_ask) -> None:
         self.policy = policy
-        self.keys = keys
+        self._subscribe, self._ask = subscribe, ask
         self.feeds: dict[str, tuple[str, KvFeed, asyncio.Task[None]]] = {}  # address -> ...
         self._tasks = TaskGroup()
 
@@ -145,7 +147,7 @@ class KvFeeds:
             return  # no events: the index is the approximation of its placements
         index.events = True
         feed = KvFeed(name or address, events_addr, replay_addr, self.policy.logs[address],
-                      self.policy.clock, self.keys)
+                      self.policy.clock, subscribe=self._subscribe, ask=self._ask)
         task = self._tasks.spawn(feed.run(), name=f"kv-events {address}")
         self.feeds[address] = (events_addr, feed, task)
         log.info("worker %s: routing on its KV events from %s", address, events_addr)

@@ -45,7 +45,7 @@ from tandem.router.blocks import Placement
 from tandem.router.kv_policy import KvAware
 from tandem.router.policy import make_policy
 from tandem.router.request import RequestHandle, RequestOptions
-from tandem.runtime import errors, transport
+from tandem.runtime import errors
 from tandem.runtime.channel import ZmqChannel
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.metrics import Registry
@@ -83,7 +83,7 @@ class WorkerPool:
             self.router.queue_timeout_s, RETRY_AFTER_S, self.registry)
         for a in addresses:
             self._new_link(a)
-        self.kv_feeds = KvFeeds(self.policy, transport.keys()) \
+        self.kv_feeds = KvFeeds(self.policy) \
             if isinstance(self.policy, KvAware) else None  # the kv policy's event feeds
         views.register_metrics(self.registry, self.links, self.placed)
         if self.kv_feeds is not None:

@@ -51,7 +51,7 @@ async def _main(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         return (True, "") if server.ready else (False, "draining")
 
     events = KvEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
-                              advertise_host=cfg.reach_host, keys=keys) \
+                              advertise_host=cfg.reach_host) \
         if cfg.publishes_kv_events else None
     metrics = worker_registry(lambda: server.num_requests if server else 0,
                               lambda: server.draining if server else False,

@@ -19,10 +19,12 @@ raises `ChannelFull` there.
 
 `serve(messages, handle, socket, log)` is the one receive loop: each message goes to its handler;
 a handler that fails on some input drops only that message (counted in
-`transport.protocol_errors` as refused). All four protocol ends are written against channels: the
-frontend's worker link (tandem.router.link), the worker's server (tandem.worker.server), and the
-prefill and decode sides of the KV bootstrap (tandem.kv.bootstrap); so each is tested without
-sockets (ARCHITECTURE.md, "Contracts").
+`transport.protocol_errors` as refused). All six protocol ends are written against channels: the
+frontend's worker link (tandem.router.link), the worker's server (tandem.worker.server), the
+prefill and decode sides of the KV bootstrap (tandem.kv.bootstrap), the worker's KV event
+publisher (tandem.worker.kv_events) and the router's KV event feed (tandem.router.kv_feed), the
+last two over a foreign frame format (tandem.runtime.frames); so each is tested without sockets
+(ARCHITECTURE.md, "Contracts").
 """
 
 from __future__ import annotations
@@ -166,10 +168,13 @@ class ZmqRouterChannel(Generic[T, U]):
 class MemoryChannel(Generic[T, U]):
     """One end of an in-memory pair. What one end sends the other receives, in order."""
 
-    def __init__(self, bound: int, through_wire: wire.Decoder[Any] | None) -> None:
+    def __init__(self, bound: int, through_wire: wire.Decoder[Any] | None,
+                 cross: Callable[[Any], Any] | None = None) -> None:
+        """`through_wire`: the PEER's decoder, messages cross the real encoding; or `cross`: what
+        a message becomes on its way (a frame codec's encode, then the peer's decode)."""
         self.peer: MemoryChannel[U, T] | None = None
         self.bound = bound
-        self._wire = through_wire  # the PEER's decoder: messages cross the real encoding
+        self._cross = cross if through_wire is None else _through(through_wire)
         self._inbox: deque[U] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._drops: asyncio.Queue[str] = asyncio.Queue()
@@ -186,8 +191,8 @@ class MemoryChannel(Generic[T, U]):
             raise ChannelFull("closed")
         if len(peer) >= self.bound:
             raise ChannelFull("memory channel full")
-        if self._wire is not None:
-            msg = self._wire.decode(wire.encode(msg))  # type: ignore[arg-type]
+        if self._cross is not None:
+            msg = self._cross(msg)
         peer.deliver(msg)
 
     def __len__(self) -> int:
@@ -233,6 +238,10 @@ class MemoryChannel(Generic[T, U]):
         """The connection dropped (what the peer's `disconnect` does here)."""
         self._drops.put_nowait(why)
 
+    async def count_refused_handshakes(self, socket: str, log: logging.Logger) -> None:
+        """(In memory there are no handshakes: this waits until cancelled.)"""
+        await asyncio.get_running_loop().create_future()
+
     def close(self) -> None:
         self._closed = True
         w = self._waiter
@@ -246,9 +255,14 @@ class MemoryRouter(Generic[T, U]):
     every message crosses the wire encoding."""
 
     def __init__(self, bound: int = 100_000,
-                 decoders: tuple[wire.Decoder[Any], wire.Decoder[Any]] | None = None) -> None:
+                 decoders: tuple[wire.Decoder[Any], wire.Decoder[Any]] | None = None,
+                 crosses: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+                 ) -> None:
+        """`crosses` (instead of `decoders`): what a message becomes on its way to the router,
+        and on its way to a peer (tandem.runtime.frames)."""
         self.bound = bound
-        self._decoders = decoders
+        self._crosses = crosses if decoders is None else (_through(decoders[0]),
+                                                          _through(decoders[1]))
         self._inbox: MemoryChannel[Any, tuple[bytes, U]] = MemoryChannel(bound, None)
         self.peers: dict[bytes, _Peer[Any, Any]] = {}
 
@@ -258,9 +272,9 @@ class MemoryRouter(Generic[T, U]):
 
     def connect(self, ident: bytes) -> MemoryChannel[U, T]:
         """A new peer known as `ident` (a reconnection replaces the old one)."""
-        d = self._decoders
-        peer: _Peer[U, T] = _Peer(self, ident, self.bound, d[0] if d else None,
-                                  d[1] if d else None)
+        c = self._crosses
+        peer: _Peer[U, T] = _Peer(self, ident, self.bound, c[0] if c else None,
+                                  c[1] if c else None)
         self.peers[ident] = peer
         return peer
 
@@ -291,24 +305,24 @@ class _Peer(MemoryChannel[T, U]):
     """A peer's end of a MemoryRouter: what it sends arrives there with its identity."""
 
     def __init__(self, router: MemoryRouter[Any, Any], ident: bytes, bound: int,
-                 router_wire: wire.Decoder[Any] | None,
-                 own_wire: wire.Decoder[Any] | None) -> None:
-        super().__init__(bound, router_wire)
-        self._router, self._ident, self._own_wire = router, ident, own_wire
+                 to_router: Callable[[Any], Any] | None,
+                 to_peer: Callable[[Any], Any] | None) -> None:
+        super().__init__(bound, None, to_router)
+        self._router, self._ident, self._to_peer = router, ident, to_peer
 
     def send_nowait(self, msg: T) -> None:
         if self._closed:
             raise ChannelFull("closed")
-        if self._wire is not None:
-            msg = self._wire.decode(wire.encode(msg))  # type: ignore[arg-type]
+        if self._cross is not None:
+            msg = self._cross(msg)
         self._router.arrive(self._ident, msg)
 
     def receive(self, msg: Any) -> None:
         """What the router sends this peer."""
         if len(self) >= self.bound:
             raise ChannelFull("memory channel full")
-        if self._own_wire is not None:
-            msg = self._own_wire.decode(wire.encode(msg))
+        if self._to_peer is not None:
+            msg = self._to_peer(msg)
         self.deliver(msg)
 
 
@@ -320,3 +334,8 @@ def memory_pair(bound: int = 100_000, decoders: tuple[wire.Decoder[Any], wire.De
     b: MemoryChannel[Any, Any] = MemoryChannel(bound, decoders[0] if decoders else None)
     a.peer, b.peer = b, a
     return a, b
+
+
+def _through(decoder: wire.Decoder[Any]) -> Callable[[Any], Any]:
+    """A message's way across the wire encoding, decoded against its receiver's schema."""
+    return lambda msg: decoder.decode(wire.encode(msg))

@@ -27,8 +27,8 @@ first one it lacks: the request is `[identity, b"", start_seq (8 bytes BE)]`; th
 buffered batch with seq >= start_seq, then an end marker whose seq is -1 (eight 0xff bytes). vLLM
 answers `[seq, payload]` per batch and `[END, b""]`; SGLang 0.5.23 `[topic, seq, payload]` and
 `[b"", END, b""]` (each after the envelope's empty delimiter). `decode_replay` accepts both;
-tandem's server answers in SGLang's form (`replay_frames`, `REPLAY_END`): a replayed batch is then
-the live stream's three frames, so a consumer parses both with the same code. If the buffer no
+tandem's server answers in SGLang's form (`live_frames`, then `REPLAY_END`): a replayed batch is
+then the live stream's three frames, so a consumer parses both with the same code. If the buffer no
 longer holds start_seq, the answer starts at its oldest batch: the consumer sees the gap, drops
 that worker's index and starts over.
 
@@ -41,6 +41,12 @@ VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) bytes, turned into ints as vLLM does (big
 bits). Payloads are size-capped and every value range-checked (token ids fit a u32, block sizes,
 the blocks' token count); any failure is one `KvEventsError` (a `wire.ProtocolError`). SGLang's
 bigram pages (tuples of two ids, EAGLE) are refused like any other malformed token id.
+
+The four ends as frame codecs (tandem.runtime.frames), so the publisher and a router's feed run on
+channels like every other protocol end: `PUBLISHED` (a publisher sends `(topic, seq, payload)`),
+`SUBSCRIBED` (a subscriber receives a LiveBatch), `REPLAY_SERVED` (the replay server receives a
+start seq after the identity, and answers a buffered batch, or None for the end marker) and
+`REPLAY_ASKED` (a consumer asks from a seq and receives ReplayBatch, None at the end).
 """
 
 from __future__ import annotations
@@ -51,13 +57,14 @@ from typing import Annotated, NamedTuple, Union
 import msgspec
 from msgspec import Meta
 
+from tandem.runtime.frames import FrameCodec, receive_only, send_only
 from tandem.runtime.wire import MAX_MESSAGE_BYTES, ProtocolError
 
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "END_SEQ", "EventBatch", "KvEvent",
-    "KvEventsError", "LiveBatch", "REPLAY_END", "ReplayBatch", "decode_batch", "decode_live",
-    "decode_replay", "encode_batch", "live_frames", "parse_replay_request", "parse_seq",
-    "replay_frames", "replay_request", "seq_frame",
+    "KvEventsError", "LiveBatch", "PUBLISHED", "REPLAY_ASKED", "REPLAY_END", "REPLAY_SERVED",
+    "ReplayBatch", "SUBSCRIBED", "decode_batch", "decode_live", "decode_replay", "encode_batch",
+    "live_frames", "parse_replay_start", "parse_seq", "replay_request", "seq_frame",
 ]
 
 MAX_PAYLOAD_BYTES = MAX_MESSAGE_BYTES  # one batch's msgpack
@@ -130,7 +137,9 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 
 # --- decoding: every published shape, as one kind of result or one error -------------------------
-
+# BlockStored's fields are declared three times, on purpose: what tandem writes (BlockStored above),
+# the tagged map (_StoredMap) and the positional array (_StoredArray) it reads: the three shapes
+# must move together (their one token-count check: `_check_tokens`).
 
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored"):
@@ -204,6 +213,13 @@ def _hash(h: int | bytes) -> int:
     return int.from_bytes(h, "big") & _MASK64 if isinstance(h, bytes) else h
 
 
+def _check_tokens(ev: BlockStored | _StoredMap | _StoredArray) -> None:
+    """A BlockStored's token ids fill its blocks exactly."""
+    if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+        raise KvEventsError(f"BlockStored: {len(ev.token_ids)} token ids for "
+                            f"{len(ev.block_hashes)} blocks of {ev.block_size}")
+
+
 def _event(raw: msgspec.Raw) -> KvEvent:
     view = memoryview(raw)
     kind = _kind(view[0]) if len(view) else "other"
@@ -211,9 +227,7 @@ def _event(raw: msgspec.Raw) -> KvEvent:
         raise KvEventsError("an event is neither a map nor an array")
     ev = (_map_events if kind == "map" else _array_events).decode(view)
     if isinstance(ev, (_StoredMap, _StoredArray)):
-        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-            raise KvEventsError(f"BlockStored: {len(ev.token_ids)} token ids for "
-                                f"{len(ev.block_hashes)} blocks of {ev.block_size}")
+        _check_tokens(ev)
         parent = None if ev.parent_block_hash is None else _hash(ev.parent_block_hash)
         return BlockStored([_hash(h) for h in ev.block_hashes], parent, ev.token_ids,
                            ev.block_size, ev.lora_id, ev.medium,
@@ -234,10 +248,8 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         pass
     else:
         for ev in fast.events:
-            if isinstance(ev, BlockStored) and \
-                    len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-                raise KvEventsError(f"BlockStored: {len(ev.token_ids)} token ids for "
-                                    f"{len(ev.block_hashes)} blocks of {ev.block_size}")
+            if isinstance(ev, BlockStored):
+                _check_tokens(ev)
         return fast
     try:
         kind = _kind(payload[0]) if len(payload) else "other"
@@ -291,16 +303,12 @@ def replay_request(start_seq: int) -> list[bytes]:
     return [b"", seq_frame(start_seq)]
 
 
-def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
-    """(identity, start_seq) of a request as the replay ROUTER receives it."""
-    if len(frames) != 3 or frames[1] != b"" or not frames[0]:
+def parse_replay_start(frames: Sequence[bytes]) -> int:
+    """The start_seq of a request as the replay ROUTER receives it, after the identity frame:
+    `[b"", start_seq]`."""
+    if len(frames) != 2 or frames[0] != b"":
         raise KvEventsError("a replay request is [identity, b'', start_seq]")
-    return frames[0], parse_seq(frames[2])
-
-
-def replay_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
-    """One replayed batch as tandem's server sends it (after identity and delimiter)."""
-    return live_frames(topic, seq, payload)
+    return parse_seq(frames[1])
 
 
 class ReplayBatch(NamedTuple):
@@ -324,3 +332,20 @@ def decode_replay(frames: Sequence[bytes], delimited: bool = True) -> ReplayBatc
             raise KvEventsError("the replay's end marker carries a payload")
         return None
     return ReplayBatch(seq, decode_batch(payload))
+
+
+LiveOut = tuple[bytes, int, bytes]  # (topic, seq, payload): one batch as a publisher sends it
+
+
+def _replay_answer(item: LiveOut | None) -> list[bytes]:
+    return [b"", *(REPLAY_END if item is None else live_frames(*item))]
+
+
+PUBLISHED: FrameCodec[LiveOut, LiveBatch] = FrameCodec(
+    "kv-events", lambda item: live_frames(*item), send_only("kv-events"))
+SUBSCRIBED: FrameCodec[LiveOut, LiveBatch] = FrameCodec(
+    "kv-events", receive_only("kv-events"), decode_live)
+REPLAY_SERVED: FrameCodec[LiveOut | None, int] = FrameCodec(
+    "kv-replay", _replay_answer, parse_replay_start)
+REPLAY_ASKED: FrameCodec[int, ReplayBatch | None] = FrameCodec(
+    "kv-replay", replay_request, decode_replay)

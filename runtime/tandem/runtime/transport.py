@@ -20,7 +20,7 @@ ZMQ_EVENTS before it waits, the descriptor's callback always queries it (which a
 signal), and a send, or a query, made while the loop waits re-checks readiness (once per loop pass
 for sends). Monitor sockets (`disconnects` on a frontend's or a decode worker's connection,
 `count_refused_handshakes` on a bound socket) are rare and stay on pyzmq's asyncio layer, over the
-same libzmq context. A failed security handshake (CURVE: a peer without the cluster's keys, or with
+same libzmq context (tandem.runtime.monitors). A failed security handshake (CURVE: a peer without the cluster's keys, or with
 another cluster's) is counted in `protocol_errors` on the bound side, and said, as the reason of
 the disconnect, on the connecting side.
 """
@@ -29,23 +29,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TypeVar, cast
 
 import zmq
-import zmq.asyncio
 import zmq.backend
-import zmq.utils.monitor
 
 from tandem.runtime import auth, wire
 from tandem.runtime.config import ZMQ_HWM
+from tandem.runtime.monitors import (DISCONNECTS, REFUSALS, Monitor, count_refused_handshakes,
+                                     disconnects, take_watcher)
 from tandem.runtime.refusals import bad_messages, dropped, protocol_errors, refused
 
-__all__ = ["Socket", "bad_messages", "close", "context", "count_refused_handshakes", "dealer",
-           "dealer_messages", "disconnects", "forget_context", "keys", "protocol_errors",
-           "readable", "refused", "router", "router_messages", "send_nowait", "use_keys"]
+__all__ = ["DISCONNECTS", "REFUSALS", "Monitor", "Options", "Socket", "bad_messages", "close", "context", "count_refused_handshakes",
+           "dealer", "dealer_messages", "disconnects", "forget_context", "frame_messages", "keys",
+           "protocol_errors", "pub", "readable", "refused", "router", "router_messages",
+           "send_frames_nowait", "send_nowait", "sub", "url_host", "use_keys"]
 
 M = TypeVar("M")
 
@@ -78,18 +78,15 @@ class Socket(zmq.Socket):
 
 
 _ctx: zmq.Context | None = None
-_actx: zmq.asyncio.Context | None = None  # the same libzmq context, for monitor sockets
 _keys: auth.ClusterKeys | None = None
-_monitors = itertools.count()
 
 
 def context() -> zmq.Context:
     """The process's one ZMQ context."""
-    global _ctx, _actx
+    global _ctx
     ctx = _ctx
     if ctx is None or ctx.closed:
         ctx = _ctx = zmq.Context()
-        _actx = zmq.asyncio.Context.shadow(ctx.underlying)
     return ctx
 
 
@@ -97,8 +94,8 @@ def forget_context() -> zmq.Context | None:
     """Forget the process's context and return it (None if there was none); the next socket
     makes a new one. Its sockets, and destroying it, are the caller's: after a fork, or between
     the tests of one process."""
-    global _ctx, _actx
-    ctx, _ctx, _actx = _ctx, None, None
+    global _ctx
+    ctx, _ctx = _ctx, None
     return ctx
 
 
@@ -114,123 +111,97 @@ def keys() -> auth.ClusterKeys | None:
     return _keys
 
 
-def _socket(kind: int) -> Socket:
+def url_host(host: str) -> str:
+    """`host` as it goes in a URL (tcp://HOST:PORT): an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+Options = Sequence[tuple[int, int | bytes]]
+
+
+def _socket(kind: int, options: Options = ()) -> Socket:
+    """A socket of `kind` with the defaults, then `options` (set before it binds or connects:
+    ZMQ gives a connection the options its socket had then)."""
     sock = context().socket(kind, socket_class=Socket)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
-    sock.setsockopt(zmq.RCVHWM, ZMQ_HWM)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
+        sock.setsockopt(zmq.RCVHWM, ZMQ_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES + 1024)
+        for option, value in options:
+            sock.setsockopt(option, value)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
-REFUSALS = auth.HANDSHAKE_FAILED  # what `count_refused_handshakes` reads
-DISCONNECTS = zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILED  # what `disconnects` reads
-
-
-def router(bind: str, watch: int = 0) -> Socket:
-    """A worker's socket: many frontends talk to it, each known by its identity. `watch`: the
-    monitor events to catch from the start (REFUSALS), for a reader to come."""
+def _bound(kind: int, bind: str, watch: int, options: Options) -> Socket:
+    """A socket every peer connects to: its monitor (`watch` events) on from the start, a CURVE
+    server with the cluster's keys (binding beyond loopback without them: AuthError)."""
     auth.require_for(bind, _keys)
-    sock = _socket(zmq.ROUTER)
-    if watch:
-        sock.watcher = Monitor(sock, watch)
-    if _keys is not None:
-        auth.make_server(sock, _keys)
-    # Sending to a frontend that is gone raises EHOSTUNREACH instead of dropping silently.
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.bind(bind)
+    sock = _socket(kind, options)
+    try:
+        if watch:
+            sock.watcher = Monitor(sock, watch)
+        if _keys is not None:
+            auth.make_server(sock, _keys)
+        if bind.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.bind(bind)
+    except BaseException:
+        close(sock)
+        raise
     return sock
 
 
-def dealer(connect: str, identity: bytes, watch: int = 0) -> Socket:
-    """A frontend's socket to one worker. `watch`: the monitor events to catch from the start
-    (DISCONNECTS), for a reader to come."""
-    sock = _socket(zmq.DEALER)
+def _connected(kind: int, connect: str, watch: int, options: Options) -> Socket:
+    """A socket to one peer: its monitor on from the start, a CURVE client with the keys."""
+    sock = _socket(kind, options)
     if watch:
         sock.watcher = Monitor(sock, watch)
-    sock.setsockopt(zmq.IDENTITY, identity)
     if _keys is not None:
         auth.make_client(sock, _keys)
+    if connect.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     sock.connect(connect)
     return sock
 
 
-def _take_watcher(sock: zmq.Socket) -> Monitor | None:
-    """The monitor `sock` was made with and nobody reads yet (it is the taker's to close now)."""
-    if not isinstance(sock, Socket):
-        return None
-    mon, sock.watcher = sock.watcher, None
-    return mon
+def router(bind: str, watch: int = 0, options: Options = ()) -> Socket:
+    """A worker's socket: many frontends talk to it, each known by its identity. `watch`: the
+    monitor events to catch from the start (REFUSALS), for a reader to come."""
+    # Sending to a frontend that is gone raises EHOSTUNREACH instead of dropping silently.
+    return _bound(zmq.ROUTER, bind, watch, ((zmq.ROUTER_MANDATORY, 1), *options))
+
+
+def dealer(connect: str, identity: bytes, watch: int = 0, options: Options = ()) -> Socket:
+    """A frontend's socket to one worker. `watch`: the monitor events to catch from the start
+    (DISCONNECTS), for a reader to come."""
+    return _connected(zmq.DEALER, connect, watch, ((zmq.IDENTITY, identity), *options))
+
+
+def pub(bind: str, options: Options = ()) -> Socket:
+    """A publisher every subscriber connects to (refused handshakes watched: REFUSALS)."""
+    return _bound(zmq.PUB, bind, REFUSALS, options)
+
+
+def sub(connect: str, options: Options = ()) -> Socket:
+    """A subscriber to every message of one publisher."""
+    return _connected(zmq.SUB, connect, 0, ((zmq.SUBSCRIBE, b""), *options))
 
 
 def close(sock: Socket, linger_s: float = 0.0) -> None:
     """Close `sock`, its monitor off first (see `Monitor`); what it has queued gets `linger_s`
     seconds to leave (by default none)."""
-    unread = _take_watcher(sock)
+    unread = take_watcher(sock)
     if unread is not None:  # (nobody else will close its reader's end)
         unread.close()
     if not sock.closed:
         sock.disable_monitor()
         sock.close(linger=int(linger_s * 1000))
-
-
-class Monitor:
-    """A ZMQ monitor on a socket, on from the moment it is made: made before the socket connects
-    or binds, it misses no event (a failed handshake is often the only one: libzmq does not
-    reconnect after it). One reader at a time (`_monitor`). The monitor is always turned off
-    BEFORE its reader is closed: libzmq's I/O thread sends monitor events with a blocking send, so
-    a monitor whose reader is gone stops that thread at the next event, and with it every socket
-    of the context (no new connection ever connects)."""
-
-    def __init__(self, sock: zmq.Socket, events: int) -> None:
-        address = f"inproc://tandem-monitor-{next(_monitors)}"
-        sock.monitor(address, events)
-        assert _actx is not None  # (made with the context that made `sock`)
-        self.sock, self.events = sock, events
-        self.pair = _actx.socket(zmq.PAIR)
-        self.pair.connect(address)
-
-    def close(self) -> None:
-        """Off (on a socket still open), then its reader's end closed."""
-        if not self.sock.closed:
-            self.sock.disable_monitor()
-        self.pair.close(linger=0)
-
-
-async def _monitor(sock: Socket, events: int) -> AsyncGenerator[tuple[int, int], None]:
-    """Each (event, value) of `events` on `sock`: from its own monitor when it was made with one
-    (`watch=`), else from one turned on now."""
-    mon = _take_watcher(sock) or Monitor(sock, events)
-    try:
-        while True:
-            event = zmq.utils.monitor.parse_monitor_message(await mon.pair.recv_multipart())
-            if event["event"] & events:
-                yield int(event["event"]), int(event["value"])
-    finally:
-        mon.close()
-
-
-async def disconnects(sock: Socket) -> AsyncGenerator[str, None]:
-    """One item each time `sock` loses a connection: "", or why its security handshake failed
-    (auth.handshake_failure: the peer holds other keys, or none)."""
-    why = ""
-    async with contextlib.aclosing(_monitor(sock, DISCONNECTS)) as events:
-        async for event, value in events:
-            if event == zmq.EVENT_DISCONNECTED:
-                yield why
-                why = ""
-            else:
-                why = auth.handshake_failure(event, value)
-
-
-async def count_refused_handshakes(sock: Socket, socket: str, log: logging.Logger) -> None:
-    """Until cancelled: each peer whose security handshake with bound `sock` failed (no keys, or
-    another cluster's) is counted in `protocol_errors` (socket, why) and logged, rate-limited."""
-    async with contextlib.aclosing(_monitor(sock, REFUSALS)) as events:
-        async for event, value in events:
-            refused(socket, auth.handshake_failure(event, value), log)
 
 
 def send_nowait(sock: Socket, msg: wire.Message, identity: bytes | None = None) -> None:
@@ -243,9 +214,22 @@ def send_nowait(sock: Socket, msg: wire.Message, identity: bytes | None = None) 
         _raw_send(sock, identity, _MORE)
     _raw_send(sock, payload, _NOBLOCK)
     if sock.waiter is not None and not sock.recheck_due:  # the send may have taken the signal
-        sock.recheck_due = True
-        assert sock.loop is not None
-        sock.loop.call_soon(_recheck, sock)
+        _recheck_soon(sock)
+
+
+def send_frames_nowait(sock: Socket, frames: Sequence[bytes]) -> None:
+    """`send_nowait` for a message already in frames (a foreign format's: its codec made them)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _raw_send(sock, frame, _NOBLOCK if i == last else _MORE)
+    if sock.waiter is not None and not sock.recheck_due:
+        _recheck_soon(sock)
+
+
+def _recheck_soon(sock: Socket) -> None:
+    sock.recheck_due = True
+    assert sock.loop is not None
+    sock.loop.call_soon(_recheck, sock)
 
 
 def readable(sock: Socket) -> bool:
@@ -308,11 +292,12 @@ def _recv(sock: Socket) -> list[bytes]:
     return parts
 
 
-async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger,
-                    frames: int) -> AsyncGenerator[tuple[list[bytes], M], None]:
-    """Every message with `frames` frames (the last: the payload), fairly: bad ones are
-    counted, logged (rate-limited) and dropped, and the loop yields every RECV_BATCH messages.
-    Ends once the socket is closed."""
+async def frame_messages(sock: Socket, decode: Callable[[list[bytes]], M], name: str,
+                         log: logging.Logger) -> AsyncGenerator[M, None]:
+    """Every message arriving on `sock`, as `decode` makes it of the message's frames, fairly:
+    one `decode` refuses (wire.ProtocolError) is counted in `bad_messages[name]`, logged
+    (rate-limited) and dropped, and the loop yields every RECV_BATCH messages. Ends once the
+    socket is closed."""
     _watch(sock)
     loop = asyncio.get_running_loop()
     try:
@@ -339,29 +324,36 @@ async def _frames_in(sock: Socket, decoder: wire.Decoder[M], log: logging.Logger
                     return
                 raise
             try:
-                if len(parts) != frames:
-                    raise wire.ProtocolError(
-                        f"{decoder.name}: expected {frames} frames, got {len(parts)}")
-                msg = decoder.decode(parts[-1])
+                msg = decode(parts)
             except wire.ProtocolError as e:
-                dropped(decoder.name, e, log)
+                dropped(name, e, log)
                 continue
-            yield parts, msg
+            yield msg
     finally:
         _unwatch(sock)
 
 
+def _frames(decoder: wire.Decoder[M], parts: list[bytes], frames: int) -> M:
+    if len(parts) != frames:
+        raise wire.ProtocolError(f"{decoder.name}: expected {frames} frames, got {len(parts)}")
+    return decoder.decode(parts[-1])
+
+
 async def router_messages(sock: Socket, decoder: wire.Decoder[M],
                           log: logging.Logger) -> AsyncIterator[tuple[bytes, M]]:
-    """Every (identity, message) arriving on a ROUTER socket (see _frames_in)."""
-    async with contextlib.aclosing(_frames_in(sock, decoder, log, 2)) as messages:
-        async for parts, msg in messages:  # (closed with this one: the socket is free again)
-            yield parts[0], msg
+    """Every (identity, message) arriving on a ROUTER socket (see frame_messages)."""
+    def decode(parts: list[bytes]) -> tuple[bytes, M]:
+        return parts[0], _frames(decoder, parts, 2)
+
+    async with contextlib.aclosing(frame_messages(sock, decode, decoder.name, log)) as messages:
+        async for msg in messages:  # (closed with this one: the socket is free again)
+            yield msg
 
 
 async def dealer_messages(sock: Socket, decoder: wire.Decoder[M],
                           log: logging.Logger) -> AsyncIterator[M]:
-    """Every message arriving on a DEALER socket (see _frames_in)."""
-    async with contextlib.aclosing(_frames_in(sock, decoder, log, 1)) as messages:
-        async for _, msg in messages:
+    """Every message arriving on a DEALER socket (see frame_messages)."""
+    async with contextlib.aclosing(frame_messages(
+            sock, lambda parts: _frames(decoder, parts, 1), decoder.name, log)) as messages:
+        async for msg in messages:
             yield msg

@@ -38,7 +38,7 @@ from tandem.engines.grammars import Deferred
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import grammar_param
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
-from tandem.engines.reference.grammar import Constraint, Grammars
+from tandem.engines.reference.grammar import GrammarState, Grammars
 from tandem.engines.reference.model import Decode, Llama, Prefill, page_table
 from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
 from tandem.engines.scheduler import Batch, Sequence
@@ -133,7 +133,7 @@ class ReferenceEngine(Stepper):
         assert self._grammars is not None  # (started: submit refuses before)
         return self._grammars.result()
 
-    def constraint(self, req: EngineRequest) -> Constraint | Deferred | None:
+    def constraint(self, req: EngineRequest) -> GrammarState | Deferred | None:
         if grammar_param(req.sampling) is None:
             return None
         return self.grammars.constraint(req, self.name)

@@ -13,7 +13,7 @@ character (below 0x20) raw, and xgrammar 0.2.8's rule for a string with a maxLen
 through, which JSON parsers refuse: a JSON request's mask also drops every token that holds one
 (each byte has a token of its own, so no text becomes impossible).
 
-`Constraint` is one request's state, a matcher that has accepted every completion token of the
+`GrammarState` is one request's state, a matcher that has accepted every completion token of the
 request, however it got it: the engine's own steps (the one postprocess, tandem.engines.outputs),
 the prefill side's first token in PD (postprocessed on the decode side the same way), an earlier
 leg's tokens when a request resumes after a migration (`resume`, at submit). Before each step
@@ -42,7 +42,7 @@ JSON_ANY_WHITESPACE = False  # compact JSON: whitespace is never free (see the m
 CACHE_BYTES = 64 << 20  # compiled grammars kept for the requests that repeat them
 
 
-class Constraint:
+class GrammarState:
     """One request's grammar state (see the module docstring)."""
 
     __slots__ = ("matcher", "json")
@@ -86,7 +86,7 @@ class Grammars:
             return
         self._xgr = xgrammar
 
-    def constraint(self, req: EngineRequest, engine: str) -> Constraint | Deferred | None:
+    def constraint(self, req: EngineRequest, engine: str) -> GrammarState | Deferred | None:
         """The request's constraint: None without a grammar, ready when its grammar was compiled
         before (the cache), else Deferred (compiled off the loop: tandem.engines.grammars); or
         EngineRequestError naming the field for a combination it cannot honour."""
@@ -112,7 +112,7 @@ class Grammars:
             return self._matcher(compiled, param, resume)
         return Deferred(partial(self._compiled, key, resume), param)
 
-    def _compiled(self, key: tuple[str, Any], resume: list[int]) -> Constraint:
+    def _compiled(self, key: tuple[str, Any], resume: list[int]) -> GrammarState:
         """(On the compile thread.) Compile, remember, and make the request's matcher."""
         param, text = key
         try:
@@ -132,12 +132,12 @@ class Grammars:
             self._cached -= cache.pop(next(iter(cache))).memory_size_bytes
         return self._matcher(compiled, param, resume)
 
-    def _matcher(self, compiled: Any, param: str, resume: list[int]) -> Constraint:
-        c = Constraint(self._xgr.GrammarMatcher(compiled), param == "json_schema")
+    def _matcher(self, compiled: Any, param: str, resume: list[int]) -> GrammarState:
+        c = GrammarState(self._xgr.GrammarMatcher(compiled), param == "json_schema")
         c.resume(resume)
         return c
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, GrammarState]]) -> None:
         """Set the logits of every token the grammar does not allow next to -inf, for each
         (row of `logits`, constraint)."""
         xgr = self._xgr

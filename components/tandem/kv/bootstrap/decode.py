@@ -106,10 +106,6 @@ class DecodeSide:
         await self._tasks.close()
         self.mover.close()
 
-    @property
-    def num_pending(self) -> int:
-        return sum(len(c.rooms) for c in self._conns.values())
-
     async def fetch(self, bootstrap: Bootstrap, pages: list[int], release: Callable[[], None],
                     skip: int = 0) -> tuple[int, TokenLogprobs | None, int]:
         """Ask the prefill side for the room's KV in `pages` (the prompt's pages from page `skip`
