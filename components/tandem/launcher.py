@@ -1,5 +1,5 @@
 """Local clusters: the one launcher `tandem up`, the tests (tests/cluster.py) and the sweeps
-(perf/launch.py) start tandem processes with.
+(perf/common/launch.py) start tandem processes with.
 
 `plan()` (tandem.plans, re-exported here) turns a shape into the argv of every process, ports
 included; nothing runs yet. `LocalCluster.start()` checks that every port it was given is free,

@@ -1,5 +1,5 @@
 """CPU per streamed token of tandem's FrontendApp alone, in one process: the app of
-perf/bench_http_app.py (its fake pool hands out one-token deltas) driven through ASGI directly, with
+perf/streaming/bench_http_app.py (its fake pool hands out one-token deltas) driven through ASGI directly, with
 a `send` that only counts, so the figure is the app's own work per chunk (response loop,
 detokenizer, SSE encoding, metrics) without an HTTP server or a socket.
 

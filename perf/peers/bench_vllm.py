@@ -1,6 +1,6 @@
 """tandem's reference engine against vLLM's CPU build, side by side in one run, on a real model
 (SmolLM2-135M-Instruct, float32): streamed tokens/s, TTFT and inter-token latency at each
-concurrency, aggregated and 1P1D, the same checkpoint, prompts and client (perf.load).
+concurrency, aggregated and 1P1D, the same checkpoint, prompts and client (perf.streaming.load).
 
     .venv/bin/python -m perf.peers.bench_vllm --vllm-python ~/peers/vllm/bin/python \\
         --model models/smollm2 --concurrency 1,4,16,64 --runs 2 \\
@@ -25,10 +25,10 @@ import time
 
 import msgspec
 
-from perf.launch import launch as launch_tandem
-from perf.load import LoadSpec, run, run_level
+from perf.common.launch import launch as launch_tandem
+from perf.streaming.load import LoadSpec, run, run_level
 from perf.peers import vllm
-from perf.sweep import summarize
+from perf.streaming.sweep import summarize
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the ocean.",

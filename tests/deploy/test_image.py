@@ -241,7 +241,7 @@ def test_the_cpu_image_serves_a_1p1d_mock_cluster_that_the_host_streams_from(
 
         # The sweep Job's command (perf/ in /opt/tandem), briefly, against this cluster.
         sweep = subprocess.run([exe, "exec", "--workdir", "/opt/tandem", name, "python", "-m",
-                                "perf.sweep", "--url", url, "--model", "/models/model",
+                                "perf.streaming.sweep", "--url", url, "--model", "/models/model",
                                 "--concurrency", "1,4", "--requests-per-level", "8",
                                 "--max-tokens", "8", "--out", "/tmp/sweep/sweep"],
                                capture_output=True, text=True, timeout=180)

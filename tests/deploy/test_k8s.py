@@ -324,8 +324,8 @@ def test_sweep_job_targets_the_frontend_service_and_keeps_results() -> None:
     assert spec["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
     c = tandem_container(job)
     args = expanded_args(c, {"metadata.name": "tandem-sweep-abcde"})
-    assert args[:3] == ["python", "-m", "perf.sweep"]
-    from perf.sweep import parse_args  # the Job's args must parse as perf.sweep's own
+    assert args[:3] == ["python", "-m", "perf.streaming.sweep"]
+    from perf.streaming.sweep import parse_args  # the Job's args must parse as perf.streaming.sweep's own
     parsed = parse_args(args[3:])
     assert parsed.concurrency and all(n >= 1 for n in parsed.concurrency)
     host, port = parsed.url.removeprefix("http://").split(":")

@@ -1,4 +1,4 @@
-"""A short slice of the soak (perf/soak.py) in `make test`: 1P2D on the mock engine, 12 clients
+"""A short slice of the soak (perf/soak/soak.py) in `make test`: 1P2D on the mock engine, 12 clients
 sending the seeded mix (chat and completions, streamed and not, n > 1, logprobs, stop strings,
 greedy or seeded, streams left mid-way) for 30 s while a decode worker, the prefill worker and the
 frontend are each SIGKILLed and restarted once by the launcher's supervision. The same checks as
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from perf import soak
-from perf.soak_report import verdict
+from perf.soak import soak
+from perf.soak.soak_report import verdict
 
 
 @pytest.mark.timeout(150)

@@ -11,10 +11,10 @@ the budget (a step that would start past it is skipped and says so):
   1. env      what the machine has (GPU, driver, torch, the carried packages)
   2. tests    `pytest -m gpu tests/gpu`: 1P1D on CUDA equals aggregated serving token for token,
               greedy and seeded, every page free afterwards (junit.xml)
-  3. kv       perf/bench_kv_handoff.py --memory cuda: NIXL WRITE between two processes on one GPU
+  3. kv       perf/transfer/bench_kv_handoff.py --memory cuda: NIXL WRITE between two processes on one GPU
               (VRAM on both sides, UCX cuda_ipc) at 1 MiB, 64 MiB and 1 GiB, beside a
               device-to-device copy of as many bytes in the same run (kv_handoff.json)
-  4. load     perf.sweep through the frontend on the reference engine on CUDA, agg and 1P1D:
+  4. load     perf.streaming.sweep through the frontend on the reference engine on CUDA, agg and 1P1D:
               TTFT and tok/s per concurrency (load_agg.json, load_1p1d.json)
 and prints a short table last (summary.md). Every log, the clusters' too, is in logs.tar.gz.
 The results folder is --results, else $OUT where that is set (a device machine's return folder),
@@ -204,12 +204,12 @@ def plan(py: str, work: Path, results: Path) -> list[Step]:
         Step("tests", [py, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "gpu",
                        "tests/gpu", f"--junitxml={results / 'junit.xml'}",
                        f"--basetemp={work / 'pytest'}"], 300),
-        Step("kv", [py, "perf/bench_kv_handoff.py", "--memory", "cuda", "--sizes-mib",
+        Step("kv", [py, "perf/transfer/bench_kv_handoff.py", "--memory", "cuda", "--sizes-mib",
                     *KV_SIZES_MIB, "--reps", "5", "--out", str(work / "kv")], 240),
     ]
     for shape in LOAD_SHAPES:
         steps.append(Step(f"load_{shape}", [
-            py, "-m", "perf.sweep", "--launch", shape, "--model", model, *LOAD_ARGS,
+            py, "-m", "perf.streaming.sweep", "--launch", shape, "--model", model, *LOAD_ARGS,
             "--worker-args", WORKER_ARGS, "--out", str(work / f"load_{shape}")], 150))
     return steps
 
@@ -307,9 +307,9 @@ def dry_run(wheels: list[Path], site: Path, py: str) -> int:
     work = Path(tempfile.mkdtemp(prefix="tandem-gpu-dry-"))
     for step in plan(py, work, work):  # the benchmarks' own parsers take the steps' arguments
         if step.name == "kv":
-            module, args = "perf.bench_kv_handoff", step.argv[2:]
+            module, args = "perf.transfer.bench_kv_handoff", step.argv[2:]
         elif step.name.startswith("load_"):
-            module, args = "perf.sweep", step.argv[3:]
+            module, args = "perf.streaming.sweep", step.argv[3:]
         else:
             continue
         probe = f"import sys; from {module} import parse_args; parse_args(sys.argv[1:])"

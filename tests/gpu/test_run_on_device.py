@@ -61,8 +61,8 @@ def test_dry_run_installs_the_wheels_and_collects_the_gpu_tests(tmp_path: Path) 
     installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
     assert installed == {n.replace("-", "_") for n in WHEELS}
     assert "tests/gpu/test_pd_cuda.py::test_pd_on_cuda_equals_agg" in out.stdout
-    for step in ("kv: perf.bench_kv_handoff takes --memory cuda", "load_agg: perf.sweep takes",
-                 "load_1p1d: perf.sweep takes"):
+    for step in ("kv: perf.transfer.bench_kv_handoff takes --memory cuda", "load_agg: perf.streaming.sweep takes",
+                 "load_1p1d: perf.streaming.sweep takes"):
         assert step in out.stdout
 
 

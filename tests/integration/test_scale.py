@@ -1,7 +1,7 @@
 """Scale: 2048 streamed requests at once through a frontend over 1P1D mock workers. Every stream
 ends with [DONE], carries no error, reports usage equal to what was asked, and has the same text
 as a lone reference stream; the frontend's memory stays bounded; every page is free afterwards.
-Uses the sweep's load client (perf.client / perf.load). Not a speed test: no timing asserted."""
+Uses the sweep's load client (perf.common.client / perf.streaming.load). Not a speed test: no timing asserted."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from perf.load import LoadSpec, check, run_level
+from perf.streaming.load import LoadSpec, check, run_level
 from tests.cluster import Cluster, free_port
 
 CONCURRENCY = 2048

@@ -2,8 +2,8 @@
 prompt is tokenized in a thread by the tokenizer's call that releases the GIL (its single `encode`
 holds it for all its work: a thread running it stalls the loop as long, 4-5 s for 3.9M characters
 here), a chat template over many messages (even empty ones) renders in a thread, and small
-requests stay on the loop with the cheaper calls. The stalls themselves are measured in
-perf/bench_loop_stall.py."""
+requests stay on the loop with the cheaper calls. The stalls themselves are measured by
+perf/streaming/bench_large_response.py (perf/results/loop_stall.md)."""
 
 from __future__ import annotations
 

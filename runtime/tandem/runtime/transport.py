@@ -13,7 +13,7 @@ Sockets are driven here, not by pyzmq's asyncio layer (`Socket`): a send is one 
 per frame, and a receive loop reads every message already queued with non-blocking calls and
 waits on the socket's file descriptor only when none is. pyzmq's asyncio socket makes a future,
 flag enums and event checks for every message: a Credit sent and received cost 36.9 us of CPU on
-this machine through it, 7.9 through this module (perf/bench_zmq_io.py, perf/results/zmq_io.md).
+this machine through it, 7.9 through this module (perf/transfer/bench_zmq_io.py, perf/results/zmq_io.md).
 ZMQ's descriptor is edge-triggered: it signals once when the socket's state may have changed, and
 any call on the socket (a send, a ZMQ_EVENTS query) may take that signal. So a receive loop checks
 ZMQ_EVENTS before it waits, the descriptor's callback always queries it (which also clears the
