@@ -4,16 +4,16 @@ router's block keys.
 
 Block keys (`chain`, `block_keys`): key i of a token sequence names its first i + 1 full pages.
 It is the router's own, computed from token ids alone, on both sides of the router: a request's
-prompt (`block_keys`, the policies) and a BlockStored event's tokens from its parent's key
-(`chain`, tandem.router.kv_index). Both sides call `chain`, so they agree bit for bit; if they did
-not, every overlap would be 0 and the `kv` policy would route by load alone
+prompt (the policies) and a BlockStored event's tokens from its parent's key
+(tandem.router.kv_index), both through `block_keys`, one `chain` step per page, so they agree bit
+for bit; if they did not, every overlap would be 0 and the `kv` policy would route by load alone
 (tests/unit/test_kv_router.py checks it). The hash is BLAKE2b-64 over the parent key (8 bytes,
 little endian) and the page's token ids as little-endian signed 64-bit integers: deterministic
 across processes, platforms and Python versions (unlike `hash()`), and 64 bits are plenty for a
 key whose collision costs a misplaced request, never wrong output (the engines key their own
 caches with 128 bits, tandem.engines.prefix). A sequence's first page chains from `ROOT`; a salt
-that keeps tenants' prefixes apart would give each its own root (`chain(ROOT, salt ids)`), the one
-change both sides need.
+that keeps tenants' prefixes apart would give each its own root (`chain(ROOT, salt ids)`, passed
+as `parent`), the one change both sides need.
 """
 
 from __future__ import annotations
@@ -35,27 +35,25 @@ _KEY_BYTES = 8
 
 def chain(parent: int, tokens: Sequence[int]) -> int:
     """The key of a page whose tokens are `tokens` and whose parent page's key is `parent`."""
-    return _chain(parent, array("q", tokens).tobytes())
-
-
-def _chain(parent: int, ids: bytes) -> int:
-    digest = blake2b(parent.to_bytes(_KEY_BYTES, "little") + ids, digest_size=_KEY_BYTES)
-    return int.from_bytes(digest.digest(), "little")
+    digest = blake2b(parent.to_bytes(_KEY_BYTES, "little") + array("q", tokens).tobytes(),
+                     digest_size=_KEY_BYTES).digest()
+    return int.from_bytes(digest, "little")
 
 
 def block_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
     """The keys of the full pages of `tokens` (a partial last page has none), the first chained
-    from `parent`: `chain` page after page, packed once."""
+    from `parent`: `chain` page after page (the ids packed once, each digest fed on as bytes)."""
     n_full = len(tokens) // page_size
     if n_full == 0:
         return []
     ids = array("q", tokens[:n_full * page_size]).tobytes()
     step = 8 * page_size
+    digest = parent.to_bytes(_KEY_BYTES, "little")
+    from_bytes = int.from_bytes
     out: list[int] = []
-    key = parent
     for at in range(0, len(ids), step):
-        key = _chain(key, ids[at:at + step])
-        out.append(key)
+        digest = blake2b(digest + ids[at:at + step], digest_size=_KEY_BYTES).digest()
+        out.append(from_bytes(digest, "little"))
     return out
 
 
