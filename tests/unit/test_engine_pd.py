@@ -24,6 +24,7 @@ from tandem.kv.bootstrap.decode import Destination
 from tandem.runtime.errors import KvHandoffError
 from tandem.runtime.wire import Bootstrap, SamplingParams
 from tests.conformance.harness import Recorder, Run, finished, wait_idle
+from tests.waits import until
 
 VOCAB = 500
 B = Bootstrap("fake", 1, 7)
@@ -127,8 +128,7 @@ async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
     ch = FakeDecodeChannel()
     async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
-        while ch.result is None:
-            await asyncio.sleep(0)
+        await until(lambda: ch.result is not None)
         # the prompt's pages, and its completion's promised (taken as decode writes them)
         assert d.load().pages_reserved == d.pool.pages_for(3)
         owner = next(o for o in d.pool.owners() if o.startswith("r#"))
@@ -155,20 +155,17 @@ async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(
             # than any loaded machine takes to run this test
 
         busy.on_output = slow_down
-        while not busy.outputs:
-            await asyncio.sleep(0.001)
+        await until(lambda: busy.outputs, every=0.001)
         seen = len(busy.outputs)  # now inside that step
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
-        while ch.result is None:
-            await asyncio.sleep(0.001)
+        await until(lambda: ch.result is not None, every=0.001)
         # the prompt's pages, and its completion's promised (taken as decode writes them)
         assert d.load().pages_reserved == d.pool.pages_for(3)
         owner = next(o for o in d.pool.owners() if o.startswith("r#"))
         assert d.pool.promised_to(owner) == d.pool.pages_for(3 + 5) - d.pool.pages_for(3) > 0
         want = first_ids([4, 5, 6], 5)
         ch.result.set_result(want[0])
-        while not run.outputs:
-            await asyncio.sleep(0.001)
+        await until(lambda: run.outputs, every=0.001)
         assert run.outputs[0][0] == want[:1]
         assert len(busy.outputs) == seen  # the step that was running has not ended yet
 
@@ -177,8 +174,7 @@ async def test_decode_failure_ends_at_once_but_pages_wait_for_release(mock_dir: 
     ch = FakeDecodeChannel()
     async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
-        while ch.result is None:
-            await asyncio.sleep(0)
+        await until(lambda: ch.result is not None)
         ch.result.set_exception(KvHandoffError("no KV"))
         await finished(run)
         assert isinstance(run.error, KvHandoffError) and run.finish == "error"
@@ -192,8 +188,7 @@ async def test_decode_cancelled_mid_fetch_is_silent_and_quarantined(mock_dir: st
     ch = FakeDecodeChannel()
     async with engine(mock_dir, DecodeHandoff, ch) as d:
         run = Recorder(d).submit(d, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
-        while ch.result is None:
-            await asyncio.sleep(0)
+        await until(lambda: ch.result is not None)
         assert run.handle is not None
         run.handle.cancel()
         await asyncio.sleep(0.01)
@@ -220,13 +215,11 @@ async def test_prefill_waits_for_room_writes_then_ends(mock_dir: str) -> None:
         assert p.bootstrap_addr == "fake:1"
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         async with asyncio.timeout(10):  # computed, waiting for the room: its pages held
-            while p.load().pages_free == 32:
-                await asyncio.sleep(0)
+            await until(lambda: p.load().pages_free != 32)
         assert p.load().pages_free == 31 and not ch.writes
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
-        while not ch.writes:
-            await asyncio.sleep(0)
+        await until(lambda: ch.writes)
         await asyncio.sleep(0.01)
         assert p.load().pages_free == 31 and run.outputs == []  # held for the write
         ch.writes[0].set_result(None)
@@ -243,8 +236,7 @@ async def test_prefill_cancelled_during_its_write_keeps_pages_until_it_ends(
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
-        while not ch.writes:
-            await asyncio.sleep(0.001)
+        await until(lambda: ch.writes, every=0.001)
         assert run.handle is not None
         run.handle.cancel()
         await asyncio.sleep(0.01)
@@ -271,8 +263,7 @@ async def test_prefill_write_failure_ends_with_a_kv_error(mock_dir: str) -> None
         run = Recorder(p).submit(p, "r", [4, 5, 6], SamplingParams(max_tokens=5), B)
         assert ch.room is not None
         ch.room.set_result(Destination(b"d", "d", [9]))
-        while not ch.writes:
-            await asyncio.sleep(0.001)
+        await until(lambda: ch.writes, every=0.001)
         ch.writes[0].set_result(KvHandoffError("write failed"))
         await finished(run)
         assert isinstance(run.error, KvHandoffError)
