@@ -19,7 +19,7 @@ start_seq, then the end marker, in SGLang 0.5.23's form (`[topic, seq, payload]`
 END, b""]`, after identity and delimiter): a replayed batch is the live stream's three frames.
 A request for a batch no longer buffered gets what is there, from the oldest: the consumer sees
 the gap. Requests are served by the channel's receive loop (tandem.runtime.channel.serve), in a
-task the publisher owns; a malformed one is dropped and counted in `transport.bad_messages`
+task the publisher owns, at most REQUESTS_PER_PASS per event loop pass; a malformed one is dropped and counted in `transport.bad_messages`
 ("kv-replay"), an answer cut short (the peer gone or not reading) in `transport.protocol_errors`.
 
 Both sockets bind on the worker's `--host` (port 0: the OS picks one when it binds) and are
@@ -56,6 +56,7 @@ log = logging.getLogger("tandem.worker.kv_events")
 
 HWM = 100_000  # batches a subscriber may have unread before the PUB socket refuses more
 BUFFER_STEPS = 10_000  # batches the replay socket holds
+REQUESTS_PER_PASS = 16  # replay requests answered per event loop pass (each up to BUFFER_STEPS)
 MAX_REQUEST_BYTES = 1024  # a replay request frame is at most this long (it needs 8 bytes)
 _KEEPALIVE = ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 30), (zmq.TCP_KEEPALIVE_INTVL, 10),
               (zmq.TCP_KEEPALIVE_CNT, 3))
@@ -136,7 +137,8 @@ class KvEventPublisher:
         live, replay, self.port, self.replay_port = self._bind(
             self.host, self.port, self.replay_port, self.hwm, whole)
         self._live, self._replay = live, replay
-        self._tasks.spawn(serve(replay, self._serve, "kv-replay", log), name="kv-replay")
+        self._tasks.spawn(serve(replay, self._serve, "kv-replay", log, REQUESTS_PER_PASS),
+                          name="kv-replay")
         self._tasks.spawn(live.count_refused_handshakes("kv-events", log),
                           name="kv-events-handshakes")
         self._tasks.spawn(replay.count_refused_handshakes("kv-replay", log),

@@ -78,16 +78,22 @@ class RouterChannel(Protocol[S, R]):
 
 
 async def serve(messages: AsyncIterable[T], handle: Callable[[T], None], socket: str,
-                log: logging.Logger) -> None:
+                log: logging.Logger, per_pass: int = 0) -> None:
     """Hand each message to `handle` until the channel closes. Nothing a peer sends ends the
     loop: a handler that fails on some input drops that one message, counted and logged as
-    refused (socket, "handler failed on <type>")."""
+    refused (socket, "handler failed on <type>"). `per_pass`: yield to the event loop after this
+    many messages (a handler whose work is large: the rest of the loop runs in between)."""
+    n = 0
     async for msg in messages:
         try:
             handle(msg)
         except Exception as e:
             m: Any = msg[1] if isinstance(msg, tuple) else msg
             transport.refused(socket, f"handler failed on {type(m).__name__}", log, repr(e))
+        n += 1
+        if n == per_pass:
+            n = 0
+            await asyncio.sleep(0)
 
 
 class ZmqChannel(Generic[T, U]):
