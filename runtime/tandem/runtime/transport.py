@@ -63,7 +63,7 @@ _EVENTS, _RCVMORE, _POLLIN = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN)
 
 
 class Socket(zmq.Socket):
-    """A ZMQ socket this module drives: at most one receive loop (`_frames_in`) reads it."""
+    """A ZMQ socket this module drives: at most one receive loop (`frame_messages`) reads it."""
 
     loop: asyncio.AbstractEventLoop | None = None  # the receive loop's, while it reads
     fd: int = -1  # the descriptor that loop watches
