@@ -1,14 +1,10 @@
-"""`--engine sglang`: SGLang's `Engine` behind tandem's engine contract, the only module that imports
-sglang (lazily, in `start`; tandem runs without it everywhere else).
+"""`--engine sglang`: SGLang's `Engine` behind tandem's engine contract. It and
+`tandem.engines.sglang_args` (SGLang's ServerArgs from tandem's settings) are the modules that import
+sglang, lazily (tandem runs without it everywhere else); `sglang_stream` turns SGLang's items into
+tandem's outputs and `sglang_cpu` holds everything SGLang's CPU engine needs.
 
 What it owns:
-- Building SGLang's `ServerArgs` with SGLang's own argparse: tandem's settings become SGLang flags
-  (model, page size, role -> `--disaggregation-mode`, output mode -> `--incremental-streaming-output`,
-  `--skip-tokenizer-init` since tandem tokenizes, max batch, pool size, bootstrap host/port, log
-  level, nixl transfer, device; `--device cpu` adds what SGLang's CPU engine needs, all of it in
-  `tandem.engines.sglang_cpu`), then `engine_args` (every SGLang flag tandem did not parse) follow
-  and override the soft defaults (log level, transfer backend, bootstrap bind host). A flag that would
-  change what tandem owns, an unknown flag or a bad choice is a `SGLangSetupError` naming it.
+- Starting SGLang's engine with the ServerArgs `sglang_args` builds.
 - Requests: each gets a fresh 32-hex rid for SGLang (SGLang aborts by rid PREFIX, so rids of one
   length never abort each other); tandem's sampling maps to SGLang's keys or is refused naming the
   field; a PD request's Bootstrap(host, port, room) becomes bootstrap_host/port/room. SGLang's
@@ -36,7 +32,6 @@ the model; at most one SGLang engine may live in a process.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import logging
@@ -45,141 +40,33 @@ import signal
 import uuid
 from multiprocessing import resource_tracker
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import psutil
 
 from tandem.config import WorkerConfig
-from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines import sglang_cpu
+from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.base import ModelSpec
 from tandem.engines.grammars import refuse
 from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
-from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
-from tandem.runtime.wire import Load, OutputMode, Role
+from tandem.engines.sglang_stream import ENGINE_ENV, SGLangStream, generate_kwargs
+from tandem.engines.sglang_args import (  # (re-exported: the adapter's public names)
+    DISAGGREGATION_MODES, OUTPUT_MODE, OWNED, SGLangOptions, SGLangSetupError, build_server_args,
+    server_argv, sglang_parser,
+)
+from tandem.runtime.wire import Load
+
+__all__ = ["DISAGGREGATION_MODES", "OUTPUT_MODE", "OWNED", "SGLangEngine", "SGLangOptions",
+           "SGLangSetupError", "build_server_args", "server_argv", "sglang_parser"]
 
 log = logging.getLogger("tandem.engines.sglang")
 
 INSTALL_HINT = "pip install 'tandem[sglang]' (on a CUDA machine: SGLang runs on NVIDIA GPUs)"
-DISAGGREGATION_MODES: dict[Role, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
 CHILD_EXIT_TIMEOUT_S = 10.0  # SIGTERM to SGLang's processes, then SIGKILL after this long
-OUTPUT_MODE: OutputMode = "cumulative"  # SGLang's default, and so the adapter's
-
-
-class SGLangSetupError(EngineError):
-    """SGLang cannot be set up as asked (not installed, no GPU, a bad or conflicting flag)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SGLangOptions:
-    """What the adapter takes from tandem's worker config."""
-
-    model: str
-    role: Role = "agg"
-    output_mode: OutputMode = OUTPUT_MODE
-    page_size: int = WorkerConfig.page_size
-    max_batch: int = 0  # -> --max-running-requests (0 = SGLang's own)
-    num_pages: int = 0  # -> --max-total-tokens = num_pages * page_size (0 = SGLang's own)
-    host: str = WorkerConfig.host  # the prefill's bootstrap server binds it (SGLang's --host)
-    advertise_host: str = ""  # where decode engines reach the bootstrap server (default: host)
-    bootstrap_port: int = 0  # prefill: SGLang's --disaggregation-bootstrap-port (0 = SGLang's)
-    log_level: str = WorkerConfig.log_level
-    device: str = WorkerConfig.device  # "" = SGLang's own (CUDA); "cpu": SGLang's CPU engine
-    engine_args: tuple[str, ...] = ()
-
-    @classmethod
-    def from_config(cls, cfg: WorkerConfig) -> SGLangOptions:
-        return cls(model=cfg.model, role=cfg.role, output_mode=cfg.output_mode or OUTPUT_MODE,
-                   page_size=cfg.page_size, max_batch=cfg.max_batch, num_pages=cfg.num_pages,
-                   host=cfg.host, advertise_host=cfg.advertise_host,
-                   bootstrap_port=cfg.bootstrap_port, log_level=cfg.log_level,
-                   device=cfg.device, engine_args=tuple(cfg.engine_args))
-
-    @property
-    def pool_pages(self) -> int:
-        """SGLang's KV pool in pages (--max-total-tokens / page size; 0 = SGLang sizes it)."""
-        cpu = sglang_cpu.is_cpu(self.device)
-        return sglang_cpu.num_pages(self.num_pages, self.page_size) if cpu else self.num_pages
-
-
-# --- ServerArgs -----------------------------------------------------------------------------------
-
-# SGLang dest -> (SGLang's flag, the tandem flag that sets it). When tandem's argv carries the flag
-# (the output mode: always), engine_args may not change the value.
-OWNED = {"model_path": ("--model-path", "--model"), "page_size": ("--page-size", "--page-size"),
-         "disaggregation_mode": ("--disaggregation-mode", "--role"),
-         "skip_tokenizer_init": ("--skip-tokenizer-init", "(none: tandem tokenizes)"),
-         "incremental_streaming_output": ("--incremental-streaming-output", "--output-mode"),
-         "max_running_requests": ("--max-running-requests", "--max-batch"),
-         "max_total_tokens": ("--max-total-tokens", "--num-pages"),
-         "device": ("--device", "--device"),
-         "disaggregation_bootstrap_port": ("--disaggregation-bootstrap-port", "--bootstrap-port")}
-
-
-def server_argv(opts: SGLangOptions) -> list[str]:
-    """tandem's settings as SGLang flags (engine_args come after them)."""
-    argv = ["--model-path", opts.model, "--page-size", str(opts.page_size),
-            "--disaggregation-mode", DISAGGREGATION_MODES[opts.role], "--skip-tokenizer-init",
-            "--host", opts.host, "--log-level", opts.log_level.lower()]
-    if opts.output_mode == "incremental":
-        argv.append("--incremental-streaming-output")
-    if opts.role != "agg":
-        argv += ["--disaggregation-transfer-backend", "nixl"]
-    if opts.max_batch:
-        argv += ["--max-running-requests", str(opts.max_batch)]
-    if opts.pool_pages:
-        argv += ["--max-total-tokens", str(opts.pool_pages * opts.page_size)]
-    if sglang_cpu.is_cpu(opts.device):
-        argv += sglang_cpu.CPU_FLAGS
-    elif opts.device:  # cuda, cuda:N
-        argv += ["--device", "cuda"]
-        if opts.device.startswith("cuda:"):
-            argv += ["--base-gpu-id", opts.device.partition(":")[2]]
-    if opts.bootstrap_port:
-        argv += ["--disaggregation-bootstrap-port", str(opts.bootstrap_port)]
-    return argv
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise SGLangSetupError(f"SGLang flags: {message}")
-
-
-def sglang_parser() -> argparse.ArgumentParser:
-    from sglang.srt.server_args import ServerArgs
-
-    parser = _Parser(prog="tandem worker --engine sglang", add_help=False)
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
-def build_server_args(opts: SGLangOptions,
-                      sigquit_handler: Callable[[int, FrameType | None], Any] | None = None) -> Any:
-    """SGLang's ServerArgs, through SGLang's own argparse (choices checked, no flag re-declared)."""
-    from sglang.srt.server_args import ServerArgs
-
-    parser = sglang_parser()
-    argv = server_argv(opts)
-    base = parser.parse_args(["--model-path", opts.model])
-    theirs = parser.parse_args(["--model-path", opts.model, *opts.engine_args])
-    owned = [d for d, (flag, _) in OWNED.items()
-             if flag in argv or d == "incremental_streaming_output"]
-    for dest in owned:
-        if getattr(theirs, dest) != getattr(base, dest):
-            raise SGLangSetupError(f"SGLang flags: {OWNED[dest][0]} is set by tandem "
-                                   f"({OWNED[dest][1]}); remove it from the SGLang flags")
-    mine = parser.parse_args(argv)
-    ns = parser.parse_args([*argv, *opts.engine_args])
-    for dest in owned:
-        if getattr(ns, dest) != getattr(mine, dest):
-            raise SGLangSetupError(f"SGLang flags: they change {dest}, which tandem sets")
-    if sigquit_handler is not None:
-        ns.custom_sigquit_handler = sigquit_handler
-    return ServerArgs.from_cli_args(ns)
 
 
 def _default_factory(server_args: Any) -> Any:
@@ -192,9 +79,9 @@ def _default_factory(server_args: Any) -> Any:
     if gpus == 0 and not sglang_cpu.is_cpu(getattr(server_args, "device", "")):
         raise SGLangSetupError("--engine sglang needs a CUDA GPU or --device cpu (SGLang's CPU "
                                "engine), and this machine has no GPU")
-    import sglang
+    from sglang.srt.entrypoints.engine import Engine  # (sglang.Engine is a lazy stand-in)
 
-    return sglang.Engine(server_args=server_args)
+    return sglang_cpu.engine_class(server_args, Engine)(server_args=server_args)
 
 
 _SIGQUIT: list[Callable[[], None]] = []  # the live engine's (at most one per process)
@@ -245,6 +132,7 @@ class SGLangEngine(IteratorEngine):
             loop.call_soon_threadsafe(self._scheduler_died)
 
         _SIGQUIT[:] = [died]
+        os.environ.update(ENGINE_ENV)  # (before sglang is imported)
         if sglang_cpu.is_cpu(self.opts.device):
             sglang_cpu.prepare()
         try:
@@ -337,12 +225,13 @@ class SGLangEngine(IteratorEngine):
                                      f"length ({limit})", param="max_tokens")
         check_sampling(req.sampling, self.spec.vocab_size)
         refuse(req.sampling, self.name, " (tandem tokenizes, so SGLang has no grammar backend)")
-        sampling_dict(req.sampling, deterministic=self._deterministic)
+        generate_kwargs(req, "", deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
         srid = uuid.uuid4().hex  # fixed length: SGLang's abort matches rids by prefix
         engine = self._engine
-        stream = SGLangStream(req.rid, self.output_mode == "incremental", len(req.prompt_ids))
+        stream = SGLangStream(req.rid, self.output_mode == "incremental", len(req.prompt_ids),
+                              req.sampling.logprobs)
         finished = False
         try:
             gen = await engine.async_generate(

@@ -5,14 +5,28 @@ the kernel library it needs):
 
 - `SGLANG_USE_CPU_ENGINE=1` in this process's environment before sglang is imported (its platform
   detection reads it; the scheduler processes SGLang spawns inherit it);
-- `--device cpu`, `--disable-overlap-schedule` (the overlap scheduler needs CUDA streams) and
-  `--attention-backend torch_native` (below, CPU_FLAGS);
+- `--device cpu`, `--disable-overlap-schedule` (the overlap scheduler needs CUDA streams),
+  `--attention-backend torch_native` and `--sleep-on-idle` (below, CPU_FLAGS);
 - a bounded KV pool: `--max-total-tokens` from tandem's `--num-pages` x `--page-size`, else
   `DEFAULT_MAX_TOTAL_TOKENS` (unbounded, SGLang sizes it at ~72% of the free RAM: 11 GB for a tiny
   model);
 - a stand-in `torchvision` (`tandem/engines/standins/`) first on sys.path when the real one is
   absent or does not import: SGLang imports it at module level, and PyPI's build needs a CUDA
   torch. SGLang's spawned processes get this process's sys.path, so they find it too.
+
+PD (`--role prefill|decode`) goes through SGLang's own NIXL transfer, which on a CPU needs two
+things more, both here:
+- `--disaggregation-decode-retraction-backup cpu_tensor` on the decode side (SGLang's default
+  backs a retracted request's KV up in CUDA memory);
+- the KV pool described to NIXL as host memory. SGLang 0.5.23 says `VRAM` in every `nixl_agent`
+  call that takes a memory type (register_memory, get_xfer_descs, prep_xfer_dlist, ...), and
+  UCX refuses a host pointer called VRAM; changing only some of the calls fails later with
+  NIXL_ERR_NOT_FOUND. `run_scheduler` is the scheduler process's entry point on a CPU (SGLang's
+  `Engine.run_scheduler_process_func`, its seam for this): it wraps each `nixl_agent` method that
+  takes a memory type so that `VRAM` becomes `DRAM` in that process, then runs SGLang's own
+  scheduler. Nothing else changes, and nothing changes on a GPU. tests/sglang/test_sglang_cpu.py
+  fails if NIXL grows a memory-typed method this does not wrap, or if SGLang's NIXL transfer calls
+  a memory-typed method outside `NIXL_MEM_TYPED` with a literal memory type.
 
 SGLang captures no graphs on a CPU. On a CPU with AMX, SGLang's own kernels (RMSNorm) take
 bfloat16 or float16 only: `--dtype float32` fails there at the first request; `--dtype bfloat16`
@@ -24,9 +38,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("tandem.engines.sglang")
 
@@ -35,21 +52,44 @@ CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 # torch_native attention: on a CPU with AMX SGLang picks its intel_amx backend, whose kernel call
 # does not match the CPU kernel library built from an older tree (extend_attention_cpu: 22
 # arguments given, 19 declared). A user's --attention-backend, later on the line, still wins.
+# --sleep-on-idle: an idle scheduler waits on its sockets (woken by a request at once) instead of
+# polling; without it each idle SGLang scheduler took 13% (agg) to 47% (PD) of a core here.
 CPU_FLAGS = ("--device", "cpu", "--disable-overlap-schedule", "--attention-backend",
-             "torch_native")
+             "torch_native", "--sleep-on-idle")
+DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+# Every nixl_agent method with a memory-type parameter (NIXL 1.5.1), and that parameter's name.
+NIXL_MEM_TYPED = ("get_reg_descs", "get_remote_descs", "get_xfer_descs", "prep_xfer_dlist",
+                  "query_memory", "register_memory")
+NIXL_MEM_PARAM = "mem_type"
 STANDINS = Path(__file__).resolve().parent / "standins"
 DEVICE_HELP = (  # the worker's --device (tandem.config)
     "where the engine computes: cpu, cuda, cuda:N (default: the engine's own: the CPU for "
     "reference, a GPU for sglang). sglang on cpu is SGLang's CPU engine (it needs the CPU build of "
     "SGLang's kernel library: README, \"SGLang on a CPU\"), and tandem sets what that needs: "
     "SGLANG_USE_CPU_ENGINE=1, --device cpu, --disable-overlap-schedule, --attention-backend "
-    "torch_native, --max-total-tokens "
-    f"(--num-pages x --page-size, else {DEFAULT_MAX_TOTAL_TOKENS}) and, when the real one does not "
-    "import, a stand-in torchvision")
+    "torch_native, --sleep-on-idle, --max-total-tokens "
+    f"(--num-pages x --page-size, else {DEFAULT_MAX_TOTAL_TOKENS}), for a decode worker "
+    "--disaggregation-decode-retraction-backup cpu_tensor, for PD NIXL told that the KV pool is "
+    "host memory, and, when the real one does not import, a stand-in torchvision")
 
 
 def is_cpu(device: str) -> bool:
     return device == "cpu"
+
+
+def flags(role: str) -> tuple[str, ...]:
+    """SGLang's flags for its CPU engine in a worker of this role."""
+    return CPU_FLAGS + DECODE_FLAGS if role == "decode" else CPU_FLAGS
+
+
+def engine_class(server_args: Any, engine: type) -> type:
+    """SGLang's Engine, or on a CPU one whose scheduler processes start with `run_scheduler`."""
+    if not is_cpu(getattr(server_args, "device", "")):
+        return engine
+    class CpuEngine(engine):
+        run_scheduler_process_func = staticmethod(run_scheduler)
+
+    return CpuEngine
 
 
 def num_pages(pages: int, page_size: int) -> int:
@@ -81,3 +121,47 @@ def use_torchvision_standin() -> bool:
     sys.path.insert(0, str(STANDINS))
     importlib.invalidate_caches()
     return True
+
+
+def host_mem_type(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` with its memory-type argument VRAM read as DRAM (positional or by keyword)."""
+    params = list(inspect.signature(method).parameters)
+    if NIXL_MEM_PARAM not in params:
+        raise RuntimeError(f"nixl_agent.{method.__name__} has no {NIXL_MEM_PARAM} parameter: "
+                           "this NIXL release differs from the one tandem's CPU PD was built for")
+    at = params.index(NIXL_MEM_PARAM)  # counts self: args[at] once bound
+
+    def on_host(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(NIXL_MEM_PARAM) == "VRAM":
+            kwargs[NIXL_MEM_PARAM] = "DRAM"
+        elif len(args) > at and args[at] == "VRAM":
+            args = (*args[:at], "DRAM", *args[at + 1:])
+        return method(*args, **kwargs)
+
+    on_host.__wrapped__ = method  # type: ignore[attr-defined]
+    on_host.__name__ = method.__name__
+    return on_host
+
+
+def nixl_on_host(agent_class: Any) -> None:
+    """Every memory-typed method of NIXL's agent class reads VRAM as DRAM (once per process)."""
+    if getattr(agent_class, "_tandem_on_host", False):
+        return
+    for name in NIXL_MEM_TYPED:
+        setattr(agent_class, name, host_mem_type(getattr(agent_class, name)))
+    agent_class._tandem_on_host = True
+
+
+def run_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """SGLang's scheduler process on a CPU: NIXL told the KV pool is host memory, then SGLang's
+    own `run_scheduler_process`. Module-level, so that spawn can pickle it."""
+    os.environ.update(CPU_ENV)
+    try:
+        from nixl._api import nixl_agent
+    except ImportError:
+        pass  # no NIXL: an aggregated worker, or SGLang reports the missing transfer itself
+    else:
+        nixl_on_host(nixl_agent)
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
