@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,14 +135,12 @@ class Agent:
 
 
 def test_the_wrapper_reads_vram_as_dram_positional_or_by_keyword() -> None:
-    cls = type("A", (Agent,), {})
-    saved = sglang_cpu.NIXL_MEM_TYPED
-    try:
-        sglang_cpu.NIXL_MEM_TYPED = ("register_memory", "get_xfer_descs")  # type: ignore[misc]
-        sglang_cpu.nixl_on_host(cls)
-        sglang_cpu.nixl_on_host(cls)  # once per class: not wrapped twice
-    finally:
-        sglang_cpu.NIXL_MEM_TYPED = saved  # type: ignore[misc]
+    class Wrapped(Agent):
+        pass
+
+    cls: Any = Wrapped
+    sglang_cpu.nixl_on_host(cls, ("register_memory", "get_xfer_descs"))
+    sglang_cpu.nixl_on_host(cls, ("register_memory", "get_xfer_descs"))  # not wrapped twice
     a = cls()
     assert a.register_memory([], "VRAM") == "DRAM"
     assert a.register_memory([], mem_type="VRAM") == "DRAM"
@@ -204,3 +203,26 @@ def test_sglangs_engine_has_the_scheduler_seam_the_cpu_engine_uses() -> None:
     assert flag(argv, "--disaggregation-decode-retraction-backup") == "cpu_tensor"
     assert "--disaggregation-decode-retraction-backup" not in server_argv(
         SGLangOptions(model="/m", device="cpu", role="prefill"))
+
+
+def test_float32_turns_sglangs_amx_choice_off_now_and_for_later_imports() -> None:
+    from types import SimpleNamespace
+
+    common = SimpleNamespace(is_amx_tile_supported=True)
+    loaded = {"sglang.srt.layers.layernorm": SimpleNamespace(_is_cpu_amx_available=True),
+              "sglang.srt.layers.other": SimpleNamespace(),
+              "numpy": SimpleNamespace(_is_cpu_amx_available=True)}
+    sglang_cpu.float32_kernels(common, loaded)
+    assert common.is_amx_tile_supported is False  # what cpu_has_amx_support() reads later
+    assert loaded["sglang.srt.layers.layernorm"]._is_cpu_amx_available is False
+    assert loaded["numpy"]._is_cpu_amx_available is True  # only SGLang's modules
+
+
+def test_sglangs_amx_choice_is_the_one_float32_kernels_turns_off() -> None:
+    """SGLang's modules decide `_is_cpu_amx_available = cpu_has_amx_support()` at import, and
+    cpu_has_amx_support reads the module global `is_amx_tile_supported`: a later SGLang that
+    decides elsewhere fails here."""
+    common = ast.unparse(_source("sglang.srt.utils.common"))
+    assert "def cpu_has_amx_support():\n    return is_amx_tile_supported and" in common
+    layernorm = ast.unparse(_source("sglang.srt.layers.layernorm"))
+    assert "_is_cpu_amx_available = cpu_has_amx_support()" in layernorm

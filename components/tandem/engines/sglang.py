@@ -32,16 +32,18 @@ the model; at most one SGLang engine may live in a process.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import logging
 import os
 import signal
+import sys
 import uuid
 from multiprocessing import resource_tracker
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import psutil
@@ -55,8 +57,7 @@ from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
 from tandem.engines.sglang_stream import ENGINE_ENV, SGLangStream, generate_kwargs
 from tandem.engines.sglang_args import (  # (re-exported: the adapter's public names)
-    DISAGGREGATION_MODES, OUTPUT_MODE, OWNED, SGLangOptions, SGLangSetupError, build_server_args,
-    server_argv, sglang_parser,
+    DISAGGREGATION_MODES, OUTPUT_MODE, OWNED, SGLangOptions, SGLangSetupError, server_argv,
 )
 from tandem.runtime.wire import Load
 
@@ -67,6 +68,44 @@ log = logging.getLogger("tandem.engines.sglang")
 
 INSTALL_HINT = "pip install 'tandem[sglang]' (on a CUDA machine: SGLang runs on NVIDIA GPUs)"
 CHILD_EXIT_TIMEOUT_S = 10.0  # SIGTERM to SGLang's processes, then SIGKILL after this long
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SGLangSetupError(f"SGLang flags: {message}")
+
+
+def sglang_parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _Parser(prog="tandem worker --engine sglang", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def build_server_args(opts: SGLangOptions,
+                      sigquit_handler: Callable[[int, FrameType | None], Any] | None = None) -> Any:
+    """SGLang's ServerArgs, through SGLang's own argparse (choices checked, no flag re-declared)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = sglang_parser()
+    argv = server_argv(opts)
+    base = parser.parse_args(["--model-path", opts.model])
+    theirs = parser.parse_args(["--model-path", opts.model, *opts.engine_args])
+    owned = [d for d, (flag, _) in OWNED.items()
+             if flag in argv or d == "incremental_streaming_output"]
+    for dest in owned:
+        if getattr(theirs, dest) != getattr(base, dest):
+            raise SGLangSetupError(f"SGLang flags: {OWNED[dest][0]} is set by tandem "
+                                   f"({OWNED[dest][1]}); remove it from the SGLang flags")
+    mine = parser.parse_args(argv)
+    ns = parser.parse_args([*argv, *opts.engine_args])
+    for dest in owned:
+        if getattr(ns, dest) != getattr(mine, dest):
+            raise SGLangSetupError(f"SGLang flags: they change {dest}, which tandem sets")
+    if sigquit_handler is not None:
+        ns.custom_sigquit_handler = sigquit_handler
+    return ServerArgs.from_cli_args(ns)
 
 
 def _default_factory(server_args: Any) -> Any:
@@ -81,7 +120,19 @@ def _default_factory(server_args: Any) -> Any:
                                "engine), and this machine has no GPU")
     from sglang.srt.entrypoints.engine import Engine  # (sglang.Engine is a lazy stand-in)
 
-    return sglang_cpu.engine_class(server_args, Engine)(server_args=server_args)
+    engine = sglang_cpu.engine_class(server_args, Engine, run_cpu_scheduler)
+    return engine(server_args=server_args)
+
+
+def run_cpu_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """SGLang's scheduler process on a CPU (sglang_cpu.in_scheduler first). Module-level, so that
+    spawn can pickle it."""
+    from sglang.srt.utils import common
+
+    sglang_cpu.in_scheduler(args, common, sys.modules)
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
 
 
 _SIGQUIT: list[Callable[[], None]] = []  # the live engine's (at most one per process)

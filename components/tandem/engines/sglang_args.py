@@ -1,20 +1,17 @@
-"""SGLang's `ServerArgs` from tandem's worker settings (`SGLangOptions`), through SGLang's own argparse:
-tandem's settings become SGLang flags (model, page size, role -> `--disaggregation-mode`, output
-mode -> `--incremental-streaming-output`, `--skip-tokenizer-init` since tandem tokenizes, max batch,
+"""SGLang's flags from tandem's worker settings (`SGLangOptions`): tandem's settings become SGLang
+flags (model, page size, role -> `--disaggregation-mode`, output mode ->
+`--incremental-streaming-output`, `--skip-tokenizer-init` since tandem tokenizes, max batch,
 pool size, bootstrap host/port, log level, nixl transfer, device; `--device cpu` adds what SGLang's
 CPU engine needs, all of it in `tandem.engines.sglang_cpu`), then `engine_args` (every SGLang flag
 tandem did not parse) follow and override the soft defaults (log level, transfer backend, bootstrap
-bind host). A flag that would change what tandem owns, an unknown flag or a bad choice is a
-`SGLangSetupError` naming it. sglang is imported lazily, inside the functions that parse.
+bind host). `tandem.engines.sglang`, the one module that imports sglang, parses them with SGLang's
+own argparse: a flag that would change what tandem owns, an unknown flag or a bad choice is a
+`SGLangSetupError` naming it.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, NoReturn
 
 from tandem.config import WorkerConfig
 from tandem.engines import sglang_cpu
@@ -97,41 +94,3 @@ def server_argv(opts: SGLangOptions) -> list[str]:
     if opts.bootstrap_port:
         argv += ["--disaggregation-bootstrap-port", str(opts.bootstrap_port)]
     return argv
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise SGLangSetupError(f"SGLang flags: {message}")
-
-
-def sglang_parser() -> argparse.ArgumentParser:
-    from sglang.srt.server_args import ServerArgs
-
-    parser = _Parser(prog="tandem worker --engine sglang", add_help=False)
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
-def build_server_args(opts: SGLangOptions,
-                      sigquit_handler: Callable[[int, FrameType | None], Any] | None = None) -> Any:
-    """SGLang's ServerArgs, through SGLang's own argparse (choices checked, no flag re-declared)."""
-    from sglang.srt.server_args import ServerArgs
-
-    parser = sglang_parser()
-    argv = server_argv(opts)
-    base = parser.parse_args(["--model-path", opts.model])
-    theirs = parser.parse_args(["--model-path", opts.model, *opts.engine_args])
-    owned = [d for d, (flag, _) in OWNED.items()
-             if flag in argv or d == "incremental_streaming_output"]
-    for dest in owned:
-        if getattr(theirs, dest) != getattr(base, dest):
-            raise SGLangSetupError(f"SGLang flags: {OWNED[dest][0]} is set by tandem "
-                                   f"({OWNED[dest][1]}); remove it from the SGLang flags")
-    mine = parser.parse_args(argv)
-    ns = parser.parse_args([*argv, *opts.engine_args])
-    for dest in owned:
-        if getattr(ns, dest) != getattr(mine, dest):
-            raise SGLangSetupError(f"SGLang flags: they change {dest}, which tandem sets")
-    if sigquit_handler is not None:
-        ns.custom_sigquit_handler = sigquit_handler
-    return ServerArgs.from_cli_args(ns)

@@ -21,29 +21,36 @@ things more, both here:
 - the KV pool described to NIXL as host memory. SGLang 0.5.23 says `VRAM` in every `nixl_agent`
   call that takes a memory type (register_memory, get_xfer_descs, prep_xfer_dlist, ...), and
   UCX refuses a host pointer called VRAM; changing only some of the calls fails later with
-  NIXL_ERR_NOT_FOUND. `run_scheduler` is the scheduler process's entry point on a CPU (SGLang's
-  `Engine.run_scheduler_process_func`, its seam for this): it wraps each `nixl_agent` method that
-  takes a memory type so that `VRAM` becomes `DRAM` in that process, then runs SGLang's own
-  scheduler. Nothing else changes, and nothing changes on a GPU. tests/sglang/test_sglang_cpu.py
+  NIXL_ERR_NOT_FOUND. `tandem.engines.sglang.run_cpu_scheduler` is the scheduler process's entry
+  point on a CPU (SGLang's `Engine.run_scheduler_process_func`, its seam for this): `in_scheduler`
+  wraps each `nixl_agent` method that takes a memory type so that `VRAM` becomes `DRAM` in that
+  process, then SGLang's own scheduler runs. Nothing else changes, and nothing changes on a GPU. tests/sglang/test_sglang_cpu.py
   fails if NIXL grows a memory-typed method this does not wrap, or if SGLang's NIXL transfer calls
   a memory-typed method outside `NIXL_MEM_TYPED` with a literal memory type.
 
-SGLang captures no graphs on a CPU. On a CPU with AMX, SGLang's own kernels (RMSNorm) take
-bfloat16 or float16 only: `--dtype float32` fails there at the first request; `--dtype bfloat16`
-works.
+SGLang captures no graphs on a CPU. On a CPU with AMX, SGLang's own kernels (RMSNorm, the
+projections) take bfloat16 or float16 only, so with `--dtype float32` the scheduler process runs
+SGLang's torch paths instead (`float32_kernels`); with it SmolLM2's greedy answers and logprobs
+equal transformers' in float32. bfloat16 keeps SGLang's AMX kernels (faster; answers close to
+transformers' in bfloat16, not equal).
+
+This module imports neither sglang nor nixl (`tandem.engines.sglang` and
+`tandem.kv.transfer.nixl_api` do): what it needs of them is passed in.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tandem.kv.transfer import nixl_api
 
 log = logging.getLogger("tandem.engines.sglang")
 
@@ -82,10 +89,12 @@ def flags(role: str) -> tuple[str, ...]:
     return CPU_FLAGS + DECODE_FLAGS if role == "decode" else CPU_FLAGS
 
 
-def engine_class(server_args: Any, engine: type) -> type:
-    """SGLang's Engine, or on a CPU one whose scheduler processes start with `run_scheduler`."""
+def engine_class(server_args: Any, engine: type, run_scheduler: Callable[..., Any]) -> type:
+    """SGLang's Engine, or on a CPU one whose scheduler processes start with `run_scheduler`
+    (SGLang's seam for it, `Engine.run_scheduler_process_func`)."""
     if not is_cpu(getattr(server_args, "device", "")):
         return engine
+
     class CpuEngine(engine):
         run_scheduler_process_func = staticmethod(run_scheduler)
 
@@ -143,25 +152,34 @@ def host_mem_type(method: Callable[..., Any]) -> Callable[..., Any]:
     return on_host
 
 
-def nixl_on_host(agent_class: Any) -> None:
-    """Every memory-typed method of NIXL's agent class reads VRAM as DRAM (once per process)."""
-    if getattr(agent_class, "_tandem_on_host", False):
+def nixl_on_host(agent_class: Any, names: tuple[str, ...] = NIXL_MEM_TYPED) -> None:
+    """Every memory-typed method of NIXL's agent class reads VRAM as DRAM (once per class)."""
+    if "_tandem_on_host" in vars(agent_class):
         return
-    for name in NIXL_MEM_TYPED:
+    for name in names:
         setattr(agent_class, name, host_mem_type(getattr(agent_class, name)))
     agent_class._tandem_on_host = True
 
 
-def run_scheduler(*args: Any, **kwargs: Any) -> Any:
-    """SGLang's scheduler process on a CPU: NIXL told the KV pool is host memory, then SGLang's
-    own `run_scheduler_process`. Module-level, so that spawn can pickle it."""
-    os.environ.update(CPU_ENV)
-    try:
-        from nixl._api import nixl_agent
-    except ImportError:
-        pass  # no NIXL: an aggregated worker, or SGLang reports the missing transfer itself
-    else:
-        nixl_on_host(nixl_agent)
-    from sglang.srt.managers.scheduler import run_scheduler_process
+def float32_kernels(common: Any, modules: dict[str, Any]) -> None:
+    """SGLang's torch paths instead of its AMX kernels, which take bfloat16 or float16 only (float32
+    fails at the first request on a CPU with AMX). SGLang decides at import, module by module, from
+    `cpu_has_amx_support()`: this makes it false (`common`: sglang.srt.utils.common) before the
+    model's modules are imported, and in those of `modules` (sys.modules) already imported."""
+    common.is_amx_tile_supported = False
+    for name, module in list(modules.items()):
+        if name.startswith("sglang.") and getattr(module, "_is_cpu_amx_available", False):
+            module._is_cpu_amx_available = False
 
-    return run_scheduler_process(*args, **kwargs)
+
+def in_scheduler(args: tuple[Any, ...], common: Any, modules: dict[str, Any]) -> None:
+    """SGLang's scheduler process on a CPU, before SGLang's own `run_scheduler_process(*args)`:
+    float32 on SGLang's torch paths, and NIXL told the KV pool is host memory."""
+    os.environ.update(CPU_ENV)
+    if args and getattr(args[0], "dtype", "") == "float32":  # (args[0]: its ServerArgs)
+        float32_kernels(common, modules)
+    try:
+        api, _ = nixl_api.load()
+    except ImportError:
+        return  # no NIXL: an aggregated worker, or SGLang reports the missing transfer itself
+    nixl_on_host(api.nixl_agent)
