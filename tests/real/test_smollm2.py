@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.cluster import Cluster, reference_workers
-from tests.real.conftest import Expected, Transformers
+from tests.transformers_ref import Expected, Transformers, token_bytes
 from tests.sse import Stream
 
 MAX_TOKENS = 24
@@ -70,18 +70,9 @@ def _post(c: Cluster, path: str, body: dict, timeout: float = 120.0) -> dict:
     return dict(r.json())
 
 
-def _token_bytes(smollm2: str) -> list[bytes]:
-    from tokenizers import Tokenizer
-
-    from tandem.frontend.detokenizer import byte_table
-
-    return byte_table(Tokenizer.from_file(str(Path(smollm2) / "tokenizer.json")),
-                      skip_special_tokens=False)
-
-
 @pytest.fixture(scope="module")
 def vocab_bytes(smollm2: str) -> list[bytes]:
-    return _token_bytes(smollm2)
+    return token_bytes(smollm2)
 
 
 def _answer(c: Cluster, messages: list[dict] | None, prompt: list[int] | None,

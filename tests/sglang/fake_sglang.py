@@ -12,7 +12,11 @@ whose rid STARTS WITH the given one (the scheduler's prefix match); a PD prefill
 "length" item once its "KV" is sent (to a registry keyed by bootstrap port and room) and the decode
 stream starts with the first token; a room listed in `World.fail_rooms` aborts both sides with 500;
 `World.crash()` stops the scheduler and calls the SIGQUIT handler SGLang's TokenizerManager
-registered. Knobs: `drop_usage`, `empty_items`, `tokens_per_step`, `step_s`, `spawn_child`.
+registered. Logprobs (`return_logprob`, `top_logprobs_num`) as SGLang's TokenizerManager hands
+them out: `output_token_logprobs` and `output_top_logprobs`, (logprob, id, None) triples; in
+cumulative mode every token's so far (a live list, like the ids), in incremental mode the item's
+own, but the abort echo's are every token's (SGLang slices them only on the normal path).
+Knobs: `drop_usage`, `empty_items`, `tokens_per_step`, `step_s`, `spawn_child`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top
                  "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params"}
 VOCAB = 4096
 EOS = 2
+
+
+def logprob(tid: int) -> float:
+    """The fake's logprob of token `tid` (its top alternatives are less likely)."""
+    return -0.01 - (tid % 97) / 100
+
+
+def top(tid: int, k: int) -> list[tuple[float, int, None]]:
+    return [(logprob(tid) - 0.5 * j, (tid + j) % VOCAB, None) for j in range(k)]
 
 
 def token(prompt: list[int], i: int) -> int:
@@ -93,6 +106,9 @@ class _Req:
         self.empty_sent = False
         self.admitted = False
         self.pages = 0  # what admission reserved: (prompt + max_new_tokens) in pages
+        self.logprobs: int | None = None  # top_logprobs_num, when return_logprob
+        self.lps: list[tuple[float, int, None]] = []  # live, like ids
+        self.tops: list[list[tuple[float, int, None]]] = []
 
 
 class FakeTokenizerManager:
@@ -143,13 +159,17 @@ class FakeEngine:
     async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any],
                              stream: bool, rid: str, bootstrap_host: str | None = None,
                              bootstrap_port: int | None = None,
-                             bootstrap_room: int | None = None) -> Any:
+                             bootstrap_room: int | None = None, return_logprob: bool = False,
+                             top_logprobs_num: int | None = None,
+                             logprob_start_len: int | None = None) -> Any:
         assert stream is True
+        assert not return_logprob or logprob_start_len == -1  # (no prompt logprobs asked)
         bootstrap = (bootstrap_host, bootstrap_port, bootstrap_room)
-        return self._generate(rid, list(input_ids), dict(sampling_params), bootstrap)
+        return self._generate(rid, list(input_ids), dict(sampling_params), bootstrap,
+                              top_logprobs_num or 0 if return_logprob else None)
 
     async def _generate(self, rid: str, prompt: list[int], sp: dict[str, Any],
-                        bootstrap: tuple[Any, Any, Any]) -> Any:
+                        bootstrap: tuple[Any, Any, Any], logprobs: int | None = None) -> Any:
         unknown = set(sp) - SAMPLING_KEYS
         if unknown:
             raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
@@ -163,6 +183,7 @@ class FakeEngine:
         if rid in self.reqs:
             raise ValueError(f"Duplicate request ID: {rid}")
         req = self.reqs[rid] = _Req(rid, prompt, sp, bootstrap)
+        req.logprobs = logprobs
         if {"json_schema", "regex", "ebnf"} & set(sp):  # live, with --skip-tokenizer-init
             self.finish(req, {"type": "abort", "status_code": 400, "message": "Grammar-based "
                               "generation (json_schema, regex, ebnf, structural_tag) is not "
@@ -193,6 +214,10 @@ class FakeEngine:
         items, req.queue = req.queue, []
         out = dict(items[-1])
         out["output_ids"] = [i for it in items for i in it["output_ids"]]
+        if "output_token_logprobs" in out["meta_info"] and not out["meta_info"].get("echo"):
+            out["meta_info"] = {**out["meta_info"], **{
+                k: [x for it in items for x in it["meta_info"][k]]
+                for k in ("output_token_logprobs", "output_top_logprobs")}}
         return out
 
     def _meta(self, req: _Req, finish: Any, *, echo: bool = False) -> dict[str, Any]:
@@ -201,9 +226,19 @@ class FakeEngine:
             meta["completion_tokens"] = len(req.ids)
             if not echo:
                 meta.update(prompt_tokens=len(req.prompt), cached_tokens=0)
+        if req.logprobs is not None:
+            if self.incremental and not echo:  # (the echo's: every token's)
+                start = req.sent
+                meta.update(output_token_logprobs=req.lps[start:],
+                            output_top_logprobs=req.tops[start:])
+            else:
+                meta.update(output_token_logprobs=req.lps, output_top_logprobs=req.tops)
+            if echo:
+                meta["echo"] = True  # (the fake's own mark: not merged with other items)
         return meta
 
     def push(self, req: _Req, finish: Any = None, *, echo: bool = False) -> None:
+        meta = self._meta(req, finish, echo=echo)  # (before `sent` moves: the item's slice)
         if self.incremental:
             new = req.ids[req.sent:]
             if echo and not new and req.ids:
@@ -212,8 +247,16 @@ class FakeEngine:
             ids = new
         else:
             ids = req.ids if finish is None else list(req.ids)  # live list, final a copy
-        req.queue.append({"output_ids": ids, "meta_info": self._meta(req, finish, echo=echo)})
+        req.queue.append({"output_ids": ids, "meta_info": meta})
         req.wake.set()
+
+    @staticmethod
+    def _emit(req: _Req, tid: int) -> None:
+        """One more token on the live lists (its logprobs too, when asked for)."""
+        req.ids.append(tid)
+        if req.logprobs is not None:
+            req.lps.append((logprob(tid), tid, None))
+            req.tops.append(top(tid, req.logprobs))
 
     def finish(self, req: _Req, finish: dict[str, Any], *, echo: bool = False) -> None:
         req.finished = True
@@ -254,7 +297,7 @@ class FakeEngine:
                 self.finish(req, {"type": "abort", "message": "KV transfer failed",
                                   "status_code": 500})
                 return
-            req.ids.append(token(req.prompt, 0))
+            self._emit(req, token(req.prompt, 0))
             self.world.room(port, room).set_result(req.ids[0])
             self.finish(req, {"type": "length", "length": 0})
             return
@@ -266,7 +309,7 @@ class FakeEngine:
                 self.finish(req, {"type": "abort", "message": "prefill failed: KV transfer failed",
                                   "status_code": 500})
                 return
-            req.ids.append(fut.result())
+            self._emit(req, fut.result())
         else:
             if self.world.empty_items and req.ids and not req.empty_sent:
                 req.empty_sent = True
@@ -274,7 +317,7 @@ class FakeEngine:
                 return
             req.empty_sent = False
             for _ in range(self.world.tokens_per_step):
-                req.ids.append(token(req.prompt, len(req.ids)))
+                self._emit(req, token(req.prompt, len(req.ids)))
                 if self._done(req):
                     break
         if self._done(req):

@@ -5,10 +5,14 @@ interpreter, since it changes sys.path and sys.modules."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +119,110 @@ def test_the_stand_in_imports_anything_and_fails_only_when_used() -> None:
         print("ok")
     """, sglang_cpu.STANDINS)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# --- PD on a CPU: SGLang's KV pool described to NIXL as host memory --------------------------------
+
+class Agent:
+    """NIXL's agent, as far as the wrapper sees it: methods with a memory-type parameter."""
+
+    def register_memory(self, reg_list: object, mem_type: str | None = None,
+                        backends: tuple[str, ...] = ()) -> str | None:
+        return mem_type
+
+    def get_xfer_descs(self, descs: object, mem_type: str | None = None) -> str | None:
+        return mem_type
+
+
+def test_the_wrapper_reads_vram_as_dram_positional_or_by_keyword() -> None:
+    class Wrapped(Agent):
+        pass
+
+    cls: Any = Wrapped
+    sglang_cpu.nixl_on_host(cls, ("register_memory", "get_xfer_descs"))
+    sglang_cpu.nixl_on_host(cls, ("register_memory", "get_xfer_descs"))  # not wrapped twice
+    a = cls()
+    assert a.register_memory([], "VRAM") == "DRAM"
+    assert a.register_memory([], mem_type="VRAM") == "DRAM"
+    assert a.get_xfer_descs([], "VRAM") == "DRAM" and a.get_xfer_descs([], "DRAM") == "DRAM"
+    assert a.register_memory([], None) is None and a.get_xfer_descs([]) is None
+    assert cls.register_memory.__wrapped__ is Agent.register_memory  # wrapped once
+    assert Agent().register_memory([], "VRAM") == "VRAM"  # the base class untouched
+    with pytest.raises(RuntimeError, match="mem_type"):
+        sglang_cpu.host_mem_type(lambda self, descs: None)
+
+
+def test_every_memory_typed_method_of_nixls_agent_is_wrapped() -> None:
+    """A NIXL release with a new memory-typed method fails here, not as a UCX error in PD."""
+    nixl_api = pytest.importorskip("nixl._api", reason="NIXL is not installed")
+    typed = {name for name, fn in inspect.getmembers(nixl_api.nixl_agent, inspect.isfunction)
+             if sglang_cpu.NIXL_MEM_PARAM in inspect.signature(fn).parameters}
+    assert typed == set(sglang_cpu.NIXL_MEM_TYPED)
+
+
+def _source(module: str) -> ast.Module:
+    """An installed sglang module's source, found without importing its packages (some need a
+    CUDA torchvision)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed: pip install --no-deps -r tests/sglang/requirements.txt")
+    path = Path(spec.origin).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def test_sglangs_nixl_transfer_passes_memory_types_only_where_the_wrapper_reads_them() -> None:
+    """Every call SGLang's NIXL transfer makes on its agent with a memory type (a literal, or a
+    variable named for one) is to a method tandem wraps; and the calls REAL.md found are there, so
+    the scan is not vacuous. A later SGLang that moves the memory type elsewhere fails here."""
+    tree = _source("sglang.srt.disaggregation.nixl.conn")
+    typed_calls: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        receiver = ast.unparse(node.func.value)
+        if not receiver.endswith("agent"):
+            continue
+        args = [*node.args, *(k.value for k in node.keywords)]
+        for arg in args:
+            text = ast.unparse(arg)
+            if text in ("'VRAM'", "'DRAM'") or "mem_kind" in text or "mem_type" in text:
+                typed_calls.add(node.func.attr)
+    assert {"register_memory", "get_xfer_descs", "prep_xfer_dlist"} <= typed_calls
+    assert typed_calls <= set(sglang_cpu.NIXL_MEM_TYPED), typed_calls
+
+
+def test_sglangs_engine_has_the_scheduler_seam_the_cpu_engine_uses() -> None:
+    """`Engine.run_scheduler_process_func`: the scheduler process's entry point, a class attribute
+    a subclass may replace (tandem's CPU engine runs `run_scheduler` there)."""
+    tree = _source("sglang.srt.entrypoints.engine")
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    assert any(isinstance(n, ast.AnnAssign) and ast.unparse(n.target) ==
+               "run_scheduler_process_func" for n in cls.body)
+    assert "self.run_scheduler_process_func" in ast.unparse(cls)
+    argv = server_argv(SGLangOptions(model="/m", device="cpu", role="decode"))
+    assert flag(argv, "--disaggregation-decode-retraction-backup") == "cpu_tensor"
+    assert "--disaggregation-decode-retraction-backup" not in server_argv(
+        SGLangOptions(model="/m", device="cpu", role="prefill"))
+
+
+def test_float32_turns_sglangs_amx_choice_off_now_and_for_later_imports() -> None:
+    from types import SimpleNamespace
+
+    common = SimpleNamespace(is_amx_tile_supported=True)
+    loaded = {"sglang.srt.layers.layernorm": SimpleNamespace(_is_cpu_amx_available=True),
+              "sglang.srt.layers.other": SimpleNamespace(),
+              "numpy": SimpleNamespace(_is_cpu_amx_available=True)}
+    sglang_cpu.float32_kernels(common, loaded)
+    assert common.is_amx_tile_supported is False  # what cpu_has_amx_support() reads later
+    assert loaded["sglang.srt.layers.layernorm"]._is_cpu_amx_available is False
+    assert loaded["numpy"]._is_cpu_amx_available is True  # only SGLang's modules
+
+
+def test_sglangs_amx_choice_is_the_one_float32_kernels_turns_off() -> None:
+    """SGLang's modules decide `_is_cpu_amx_available = cpu_has_amx_support()` at import, and
+    cpu_has_amx_support reads the module global `is_amx_tile_supported`: a later SGLang that
+    decides elsewhere fails here."""
+    common = ast.unparse(_source("sglang.srt.utils.common"))
+    assert "def cpu_has_amx_support():\n    return is_amx_tile_supported and" in common
+    layernorm = ast.unparse(_source("sglang.srt.layers.layernorm"))
+    assert "_is_cpu_amx_available = cpu_has_amx_support()" in layernorm

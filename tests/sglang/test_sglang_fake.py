@@ -14,9 +14,9 @@ import pytest
 
 from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.sglang import SGLangEngine, SGLangOptions, SGLangSetupError
-from tandem.runtime.wire import Bootstrap, SamplingParams
+from tandem.runtime.wire import Bootstrap, SamplingParams, TokenLogprobs
 from tests.conformance.harness import Recorder, finished
-from tests.sglang.fake_sglang import World, fake_server_args, token
+from tests.sglang.fake_sglang import World, fake_server_args, logprob, token, top
 
 PROMPT = [5, 6, 7, 8]
 MODES = ["cumulative", "incremental"]
@@ -98,6 +98,47 @@ async def test_missing_usage_fields_and_empty_items(mode: str) -> None:
     assert run.ids == expected(6)
     assert all(out.finish_reason or out.output_ids for out in rec.raw), "an empty item got out"
     assert (rec.raw[-1].prompt_tokens, rec.raw[-1].completion_tokens) == (4, 6)
+    await engine.shutdown()
+
+
+def expected_logprobs(ids: list[int], k: int) -> list[TokenLogprobs]:
+    return [TokenLogprobs(t, logprob(t), [(i, lp) for lp, i, _ in top(t, k)]) for t in ids]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("per_step", [1, 3])
+@pytest.mark.parametrize("k", [0, 2])
+async def test_logprobs_follow_their_tokens_in_both_modes(mode: str, per_step: int,
+                                                          k: int) -> None:
+    """SGLang's logprob lists are cumulative (live) or the item's own: either way each token gets
+    its own, with its top-k (the Recorder checks the ids match one for one)."""
+    world = World(tokens_per_step=per_step, step_s=0.001)
+    engine = await make(world, mode=mode)
+    rec = Recorder(engine)
+    run = await finished(rec.submit(engine, "a", PROMPT, SamplingParams(max_tokens=10,
+                                                                        logprobs=k)))
+    assert run.ids == expected(10)
+    assert run.logprobs == expected_logprobs(run.ids, k)
+    await engine.shutdown()
+
+
+async def test_incremental_abort_echo_carries_no_extra_logprob() -> None:
+    """The abort echo's logprobs are every token's: the adapter takes none of them (its ids are
+    trimmed to none), so the logprobs stay one per token."""
+    world = World(step_s=0.002)
+    engine = await make(world, mode="incremental")
+    rec = Recorder(engine)
+    seen = asyncio.Event()
+    run = rec.submit(engine, "a", PROMPT, SamplingParams(max_tokens=1000, logprobs=1))
+    run.on_output = lambda r: seen.set() if len(r.ids) >= 3 else None
+    await asyncio.wait_for(seen.wait(), 10)
+    fake = world.engines[0]
+    (srid,) = fake.reqs
+    fake.tokenizer_manager.abort_request(rid=srid)
+    await finished(run)
+    assert run.finish == "error" and run.ids == expected(len(run.ids))
+    assert run.logprobs == expected_logprobs(run.ids, 1)
+    await idle(engine)
     await engine.shutdown()
 
 

@@ -1,59 +1,29 @@
 """SGLang's real CPU engine behind tandem, live: one `tandem worker --engine sglang --device cpu`
-(bfloat16, the suite's tiny model) and a frontend, started once for the whole module (SGLang takes
-tens of seconds to start on a CPU). Greedy answers streamed and not agree with each other and
-across runs; stop strings; seeds; a stream cancelled or a client gone mid-request,
-with the engine healthy afterwards; and after every test the worker idle, in tandem's accounting
-and in SGLang's own (its TokenizerManager holds no request).
+(float32, SmolLM2-135M-Instruct) and a frontend, started once for the whole module (SGLang takes
+tens of seconds to start on a CPU). Greedy answers equal transformers' token for token, with the
+same logprobs, and streamed and not agree with each other and across runs; logprobs; n > 1; stop
+strings; seeds; a stream cancelled or a client gone mid-request, with the engine healthy
+afterwards; and after every test the worker idle, in tandem's accounting and in SGLang's own (its
+TokenizerManager holds no request; its scheduler checks its own pools each time it goes idle).
+tests/sglang/test_sglang_live_cluster.py has the rest: output modes, PD, KV events, migration and
+drain.
 
 Needs SGLang's CPU kernel library, which no package index carries (README, "SGLang on a CPU"):
 without it the module skips, saying what is missing and how to get it."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
 from tests.cluster import Cluster
-from tests.sse import Stream, StreamResult
-
-REQUIREMENTS = Path(__file__).with_name("requirements-live.txt")
-START_TIMEOUT_S = 300.0  # SGLang's start: ~45 s on a loaded 2-core machine
-# The last two: SGLang's own flag. bfloat16, since on a CPU with AMX SGLang's RMSNorm kernel takes
-# no float32; greedy answers are still the same every time.
-WORKER_ARGS = ["--device", "cpu", "--num-pages", "256", "--dtype", "bfloat16"]
-PROMPT = "tell me a story about a dragon"
-
-
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.version(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def missing() -> str:
-    """What SGLang's live CPU engine lacks here, and how to get it ("" = nothing)."""
-    if not _installed("sglang-kernel-cpu"):
-        return ("SGLang's CPU kernel library is not installed: no package index carries it, and "
-                "`make venv` installs it only from a wheel sglang_kernel_cpu-*-cp311-*.whl in "
-                "wheels/ of the `shared` folder beside the checkout (Makefile: SHARED). Build it "
-                "as README.md's \"SGLang on a CPU\" says, put it there and run `make venv`")
-    need = ["sglang"] + [line.split("==")[0] for line in REQUIREMENTS.read_text().splitlines()
-                         if line and not line.startswith("#")]
-    absent = [name for name in need if not _installed(name)]
-    if absent:
-        return (f"SGLang's CPU engine needs {', '.join(absent)}: `make venv` installs them "
-                "(tests/sglang/requirements.txt, requirements-live.txt)")
-    return ""
-
+from tests.sglang.live import (
+    START_TIMEOUT_S, WORKER_ARGS, body, missing, pick_stop, post, stream, text_of, usage_of,
+)
+from tests.sse import Stream
+from tests.transformers_ref import Transformers, token_bytes
 
 if missing():
     pytest.skip(missing(), allow_module_level=True)
@@ -62,8 +32,8 @@ pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 120)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(tiny_model, str(tmp_path_factory.mktemp("sglang-live")))
+def cluster(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(smollm2, str(tmp_path_factory.mktemp("sglang-live")))
     c.add_worker("sglang", WORKER_ARGS)
     t0 = time.monotonic()
     try:
@@ -84,40 +54,9 @@ def model(cluster: Cluster) -> str:
 
 
 @pytest.fixture(autouse=True)
-def idle_after(cluster: Cluster):
+def idle_after(cluster: Cluster) -> Iterator[None]:
     yield
     cluster.assert_idle()  # SGLang's own requests count as waiting (tandem.engines.sglang, load)
-
-
-def post(url: str, path: str, body: dict[str, Any], timeout: float = 60.0
-         ) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def body(model: str, endpoint: str, **fields: Any) -> dict[str, Any]:
-    prompt: dict[str, Any] = ({"prompt": PROMPT} if endpoint == "completions" else
-                              {"messages": [{"role": "user", "content": PROMPT}]})
-    return {"model": model, **prompt, "max_tokens": 24, "temperature": 0.0, **fields}
-
-
-def text_of(answer: dict[str, Any]) -> str:
-    choice = answer["choices"][0]
-    return str(choice.get("text", (choice.get("message") or {}).get("content")) or "")
-
-
-def stream(url: str, endpoint: str, payload: dict[str, Any]) -> StreamResult:
-    return Stream(url, f"/v1/{endpoint}", {**payload, "stream": True,
-                                           "stream_options": {"include_usage": True}}).read_all()
-
-
-def usage_of(result: StreamResult) -> dict[str, Any]:
-    return next(e["usage"] for e in result.events if e.get("usage"))
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
@@ -134,16 +73,6 @@ def test_greedy_streamed_equals_non_streamed(cluster: Cluster, model: str, endpo
     assert [usage_of(streamed)[k] for k in counts] == [answer["usage"][k] for k in counts]
     again = post(cluster.url, f"/v1/{endpoint}", body(model, endpoint, ignore_eos=True))[1]
     assert text_of(again) == text  # float32 greedy: the same every time
-
-
-def pick_stop(text: str) -> tuple[int, str]:
-    """A printable stop string first seen well past the start of `text`, and where."""
-    for n in (3, 2, 1):
-        for at in range(max(1, len(text) // 4), len(text) - n):
-            stop = text[at:at + n]
-            if stop.isascii() and stop.isprintable() and stop.strip() and text.find(stop) == at:
-                return at, stop
-    raise AssertionError(f"no stop string to pick in {text!r}")
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
@@ -195,3 +124,68 @@ def test_a_client_gone_before_a_non_streamed_answer_frees_it(cluster: Cluster,
     cluster.assert_idle(timeout=20)
     status, answer = post(cluster.url, "/v1/chat/completions", body(model, "chat/completions"))
     assert status == 200 and text_of(answer), answer
+
+
+CHATS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
+         "Write a haiku about autumn.", "Explain photosynthesis in one sentence."]
+MAX_TOKENS = 48
+LOGPROB_TOL = 2e-3  # as tests/real's: float32 on both sides
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2: str) -> Transformers:
+    return Transformers(smollm2)
+
+
+def test_greedy_chat_answers_are_transformers_token_for_token(
+        cluster: Cluster, model: str, hf: Transformers, smollm2: str) -> None:
+    """Each token's raw bytes (chat logprobs) equal those of transformers' greedy ids, end-of-turn
+    included, and each logprob is transformers' log_softmax."""
+    vocab = token_bytes(smollm2)
+    for text in CHATS:
+        messages = [{"role": "user", "content": text}]
+        want = hf.greedy(hf.chat_ids(messages), MAX_TOKENS)
+        status, answer = post(cluster.url, "/v1/chat/completions", {
+            "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": True, "top_logprobs": 0})
+        assert status == 200, answer
+        content = answer["choices"][0]["logprobs"]["content"]
+        assert [bytes(t["bytes"]) for t in content] == [vocab[i] for i in want.ids], text
+        assert answer["choices"][0]["finish_reason"] == (
+            "stop" if len(want.ids) < MAX_TOKENS else "length")
+        worst = max(abs(t["logprob"] - lp) for t, lp in zip(content, want.logprobs))
+        assert worst <= LOGPROB_TOL, (text, worst)
+
+
+def test_logprobs_streamed_equal_non_streamed_with_top_tokens(cluster: Cluster,
+                                                              model: str) -> None:
+    payload = body(model, "chat/completions", ignore_eos=True, logprobs=True, top_logprobs=3)
+    status, answer = post(cluster.url, "/v1/chat/completions", payload)
+    assert status == 200, answer
+    whole = answer["choices"][0]["logprobs"]["content"]
+    assert len(whole) == answer["usage"]["completion_tokens"] == 24
+    for t in whole:  # greedy: the sampled token is the likeliest, and the top list is sorted
+        tops = [x["logprob"] for x in t["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert t["top_logprobs"][0]["token"] == t["token"] and tops[0] == t["logprob"]
+    streamed = stream(cluster.url, "chat/completions", payload)
+    parts = [lp for e in streamed.events for c in e.get("choices", ())
+             for lp in ((c.get("logprobs") or {}).get("content") or ())]
+    assert [(p["token"], p["logprob"]) for p in parts] == [(t["token"], t["logprob"])
+                                                           for t in whole]
+
+
+def test_n_choices(cluster: Cluster, model: str) -> None:
+    """n > 1: the frontend fans choices out as SGLang requests. Greedy choices are the same
+    answer; sampled ones each run to max_tokens and usage counts them all."""
+    status, answer = post(cluster.url, "/v1/completions",
+                          body(model, "completions", n=2, ignore_eos=True))
+    assert status == 200, answer
+    texts = [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 2 and texts[0] == texts[1] != ""
+    status, answer = post(cluster.url, "/v1/chat/completions",
+                          body(model, "chat/completions", n=3, temperature=1.0, ignore_eos=True))
+    assert status == 200, answer
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == 3 * 24

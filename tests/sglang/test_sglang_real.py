@@ -18,7 +18,7 @@ from tandem.engines.base import EngineRequest
 from tandem.engines.sglang import (
     OWNED, SGLangOptions, SGLangSetupError, build_server_args, server_argv,
 )
-from tandem.engines.sglang_stream import generate_kwargs, sampling_dict
+from tandem.engines.sglang_stream import ENGINE_ENV, generate_kwargs, sampling_dict
 from tandem.runtime.wire import Bootstrap, SamplingParams
 
 server_args_mod = pytest.importorskip(
@@ -194,11 +194,30 @@ def test_sglang_refuses_what_tandem_checks_before_it() -> None:
 def test_the_adapter_refuses_what_it_cannot_map_naming_the_field() -> None:
     from tandem.runtime.errors import EngineRequestError
 
-    for sp, field in ((SamplingParams(logprobs=0), "logprobs"),
-                      (SamplingParams(repetition_penalty=2.5), "repetition_penalty")):
+    for sp, field in ((SamplingParams(repetition_penalty=2.5), "repetition_penalty"),
+                      (SamplingParams(seed=1), "seed")):
         with pytest.raises(EngineRequestError) as e:
-            sampling_dict(sp, deterministic=True)
+            sampling_dict(sp, deterministic=False)
         assert e.value.param == field
+    # A moved request: what counts output tokens cannot continue exactly on SGLang.
+    for sp in (SamplingParams(presence_penalty=0.5), SamplingParams(repetition_penalty=1.1),
+               SamplingParams(json_schema='{"type": "object"}')):
+        with pytest.raises(EngineRequestError) as e:
+            generate_kwargs(EngineRequest("a", [1, 2, 3], sp, resume_offset=1), "0" * 32,
+                            deterministic=False)
+        assert e.value.param == "resume_offset"
+        generate_kwargs(EngineRequest("a", [1, 2, 3], sp), "0" * 32, deterministic=False)
+    plain = EngineRequest("a", [1, 2, 3], SamplingParams(temperature=0.7), resume_offset=2)
+    assert generate_kwargs(plain, "0" * 32, deterministic=False)["input_ids"] == [1, 2, 3]
+
+
+def test_logprobs_are_the_models_own_distribution_in_sglang_too() -> None:
+    """tandem's contract: log_softmax of the raw logits. SGLang's sampler gives that only with
+    SGLANG_RETURN_ORIGINAL_LOGPROB (read at import), which the adapter sets; its default divides
+    by the temperature first."""
+    source = ast.unparse(_source("sglang.srt.layers.sampler"))
+    assert 'get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB")' in source.replace("'", '"')
+    assert ENGINE_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 def test_what_the_adapter_refuses_sglang_cannot_honour() -> None:
@@ -231,8 +250,10 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
 def test_call_keywords_match_engine_async_generate() -> None:
     fn = _method(_source("sglang.srt.entrypoints.engine"), "Engine", "async_generate")
     assert isinstance(fn, ast.AsyncFunctionDef)
-    req = EngineRequest("a", [1, 2], SamplingParams(), Bootstrap("h", 1, 2))
-    assert set(generate_kwargs(req, "0" * 32, deterministic=False)) <= _params(fn)
+    req = EngineRequest("a", [1, 2], SamplingParams(logprobs=3), Bootstrap("h", 1, 2))
+    kwargs = generate_kwargs(req, "0" * 32, deterministic=False)
+    assert {"return_logprob", "top_logprobs_num", "logprob_start_len"} <= set(kwargs)
+    assert set(kwargs) <= _params(fn)
 
 
 def test_tokenizer_manager_names_the_adapter_relies_on() -> None:

@@ -1,14 +1,18 @@
 """`--engine sglang`: SGLang's `Engine` behind tandem's engine contract, the only module that imports
-sglang (lazily, in `start`; tandem runs without it everywhere else).
+sglang (lazily; tandem runs without it everywhere else). `sglang_options` makes SGLang's flags of
+tandem's settings, `sglang_stream` turns SGLang's items into tandem's outputs and `sglang_cpu` holds
+everything SGLang's CPU engine needs.
 
 What it owns:
 - Building SGLang's `ServerArgs` with SGLang's own argparse: tandem's settings become SGLang flags
   (`tandem.engines.sglang_options`: model, page size, role -> `--disaggregation-mode`, output
-  mode -> `--incremental-streaming-output`, `--skip-tokenizer-init` since tandem tokenizes, max batch, pool size, bootstrap host/port, log
-  level, nixl transfer, device; `--device cpu` adds what SGLang's CPU engine needs, all of it in
-  `tandem.engines.sglang_cpu`), then `engine_args` (every SGLang flag tandem did not parse) follow
-  and override the soft defaults (log level, transfer backend, bootstrap bind host). A flag that would
-  change what tandem owns, an unknown flag or a bad choice is a `SGLangSetupError` naming it.
+  mode -> `--incremental-streaming-output`, `--skip-tokenizer-init` since tandem tokenizes, max
+  batch, pool size, bootstrap host/port, log level, nixl transfer, device; `--device cpu` adds what
+  SGLang's CPU engine needs, all of it in `tandem.engines.sglang_cpu`), then `engine_args` (every
+  SGLang flag tandem did not parse) follow and override the soft defaults (log level, transfer
+  backend, bootstrap bind host). A flag that would change what tandem owns, an unknown flag or a
+  bad choice is a `SGLangSetupError` naming it. On a CPU, SGLang's scheduler processes start
+  through `run_cpu_scheduler` (sglang_cpu.in_scheduler, then SGLang's own).
 - Requests: each gets a fresh 32-hex rid for SGLang (SGLang aborts by rid PREFIX, so rids of one
   length never abort each other); tandem's sampling maps to SGLang's keys or is refused naming the
   field; a PD request's Bootstrap(host, port, room) becomes bootstrap_host/port/room. SGLang's
@@ -42,6 +46,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import uuid
 from multiprocessing import resource_tracker
 from collections.abc import AsyncIterator, Callable
@@ -52,19 +57,21 @@ import msgspec
 import psutil
 
 from tandem.config import WorkerConfig
-from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines import sglang_cpu
+from tandem.engines.base import EngineError, EngineOutput, EngineRequest, EngineRequestError
 from tandem.engines.base import ModelSpec
 from tandem.engines.grammars import refuse
 from tandem.engines.iterator import IteratorEngine
 from tandem.engines.sampling import check_sampling
-from tandem.engines.sglang_options import (OUTPUT_MODE, OWNED, SGLangOptions, SGLangSetupError,
-                                           server_argv)
-
-__all__ = ["OUTPUT_MODE", "SGLangEngine", "SGLangOptions", "SGLangSetupError", "build_server_args",
-           "server_argv", "sglang_parser"]
-from tandem.engines.sglang_stream import SGLangStream, generate_kwargs, sampling_dict
+from tandem.engines.sglang_options import (  # (re-exported: the adapter's public names)
+    DISAGGREGATION_MODES, OUTPUT_MODE, OWNED, SGLangOptions, SGLangSetupError, server_argv,
+)
+from tandem.engines.sglang_stream import ENGINE_ENV, SGLangStream, generate_kwargs
 from tandem.runtime.wire import Load
+
+__all__ = ["DISAGGREGATION_MODES", "OUTPUT_MODE", "OWNED", "SGLangEngine", "SGLangOptions",
+           "SGLangSetupError", "build_server_args", "run_cpu_scheduler", "server_argv",
+           "sglang_parser"]
 
 log = logging.getLogger("tandem.engines.sglang")
 
@@ -120,9 +127,21 @@ def _default_factory(server_args: Any) -> Any:
     if gpus == 0 and not sglang_cpu.is_cpu(getattr(server_args, "device", "")):
         raise SGLangSetupError("--engine sglang needs a CUDA GPU or --device cpu (SGLang's CPU "
                                "engine), and this machine has no GPU")
-    import sglang
+    from sglang.srt.entrypoints.engine import Engine  # (sglang.Engine is a lazy stand-in)
 
-    return sglang.Engine(server_args=server_args)
+    engine = sglang_cpu.engine_class(server_args, Engine, run_cpu_scheduler)
+    return engine(server_args=server_args)
+
+
+def run_cpu_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """SGLang's scheduler process on a CPU (sglang_cpu.in_scheduler first). Module-level, so that
+    spawn can pickle it."""
+    from sglang.srt.utils import common
+
+    sglang_cpu.in_scheduler(args, common, sys.modules)
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
 
 
 _SIGQUIT: list[Callable[[], None]] = []  # the live engine's (at most one per process)
@@ -173,6 +192,7 @@ class SGLangEngine(IteratorEngine):
             loop.call_soon_threadsafe(self._scheduler_died)
 
         _SIGQUIT[:] = [died]
+        os.environ.update(ENGINE_ENV)  # (before sglang is imported)
         if sglang_cpu.is_cpu(self.opts.device):
             sglang_cpu.prepare()
         try:
@@ -265,12 +285,13 @@ class SGLangEngine(IteratorEngine):
                                      f"length ({limit})", param="max_tokens")
         check_sampling(req.sampling, self.spec.vocab_size)
         refuse(req.sampling, self.name, " (tandem tokenizes, so SGLang has no grammar backend)")
-        sampling_dict(req.sampling, deterministic=self._deterministic)
+        generate_kwargs(req, "", deterministic=self._deterministic)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
         srid = uuid.uuid4().hex  # fixed length: SGLang's abort matches rids by prefix
         engine = self._engine
-        stream = SGLangStream(req.rid, self.output_mode == "incremental", len(req.prompt_ids))
+        stream = SGLangStream(req.rid, self.output_mode == "incremental", len(req.prompt_ids),
+                              req.sampling.logprobs)
         finished = False
         try:
             gen = await engine.async_generate(

@@ -84,7 +84,7 @@ def server_argv(opts: SGLangOptions) -> list[str]:
     if opts.pool_pages:
         argv += ["--max-total-tokens", str(opts.pool_pages * opts.page_size)]
     if sglang_cpu.is_cpu(opts.device):
-        argv += sglang_cpu.CPU_FLAGS
+        argv += sglang_cpu.flags(opts.role)
     elif opts.device:  # cuda, cuda:N
         argv += ["--device", "cuda"]
         if opts.device.startswith("cuda:"):

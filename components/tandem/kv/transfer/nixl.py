@@ -1,4 +1,4 @@
-"""KV page transfer over NIXL: the only module in tandem that imports nixl.
+"""KV page transfer over NIXL (imported through `nixl_api`, the one module that imports nixl).
 
 Owns a worker's NIXL agent (UCX backend, no NIXL progress thread), the registration of the
 worker's page-major KV region, prepared descriptor lists with one descriptor per page (ours, and
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.kv.transfer import nixl_api
 from tandem.kv.transfer.util import (MemType, count_descriptors, page_descs, prefault_host_memory,
                                      region_of)
 from tandem.runtime.errors import KvTransferError, KvTransferTimeout, PeerGone
@@ -85,8 +86,7 @@ class KvAgent:
         if nbytes < page_bytes * num_pages:
             raise ValueError(f"KV region has {nbytes} bytes, pages need {page_bytes * num_pages}")
         try:
-            from nixl import _bindings
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            api, _bindings = nixl_api.load()
         except ImportError as e:
             raise KvTransferError(f"nixl is not installed: {_INSTALL_HINT}") from e
         self._gone_error: type[BaseException] = _bindings.nixlRemoteDisconnectError
@@ -101,9 +101,9 @@ class KvAgent:
         if prefault and mem == "DRAM":
             prefault_host_memory(addr, page_bytes * num_pages)
         # RW sync: NIXL is called from several threads at once; UCX workers become thread-safe.
-        config = nixl_agent_config(enable_prog_thread=False, backends=[],
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-        self._agent = nixl_agent(name, config)
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"num_workers": str(num_streams)})
         self._reg = self._agent.register_memory([(addr, page_bytes * num_pages, device, "")], mem)
         self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(self._layout), mem)
