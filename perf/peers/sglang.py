@@ -12,9 +12,13 @@ The router lives in a venv of its own, outside the repository. Made once:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 from tandem.engines import sglang_cpu
@@ -52,6 +56,26 @@ def _server(model: str, role: str, log_dir: str, engine_flags: list[str],
     return _spawn(role, cmd, log_dir, f"http://127.0.0.1:{port}")
 
 
+def _wait_served(url: str, model: str, procs: list[Proc], timeout: float) -> None:
+    """Until one token comes back through the router (it answers /health before it has
+    registered its workers)."""
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        dead = [p.name for p in procs if not p.alive()]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"SGLang's 1P1D never served a token (exited: {dead})")
+        time.sleep(1.0)
+
+
 def launch(shape: str, model: str, log_dir: str, engine_flags: list[str], router_python: str,
            ready_timeout_s: float = 600.0) -> SGLangCluster:
     """SGLang serving `model`: "agg" (one server) or "1p1d" (prefill, decode and its router)."""
@@ -65,6 +89,10 @@ def launch(shape: str, model: str, log_dir: str, engine_flags: list[str], router
             bootstrap = free_port()
             procs["prefill"] = _server(model, "prefill", log_dir, engine_flags, bootstrap)
             procs["decode"] = _server(model, "decode", log_dir, engine_flags)
+            # The router registers its workers once, in the background, and gives up on one
+            # that is not up yet: it starts after both answer.
+            wait_healthy({n: p.address for n, p in procs.items()}, list(procs.values()),
+                         ready_timeout_s)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             procs["router"] = _spawn("router", [
@@ -74,6 +102,8 @@ def launch(shape: str, model: str, log_dir: str, engine_flags: list[str], router
                 "--policy", "round_robin"], log_dir, url)
         wait_healthy({n: p.address for n, p in procs.items()}, list(procs.values()),
                      ready_timeout_s)
+        if shape != "agg":
+            _wait_served(url, model, list(procs.values()), ready_timeout_s)
     except BaseException:
         stop_all(procs.values(), timeout=20)
         raise
