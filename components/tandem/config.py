@@ -13,8 +13,8 @@ flag, a default or a help text):
 
 The chain: `Common` (what every process takes) -> `WorkerConfig` (with the mock engine's knobs,
 `MockTiming`, as a section of their own) / `FrontendConfig` (with a nested `RouterConfig`) /
-`UpConfig` (`tandem up`'s own flags, with `UpGpus` as a section; the worker and frontend flags it
-forwards come from the two configs above). The converters from text are `tandem.converters`. The
+`UpConfig` (`tandem up`'s own flags, with `UpGpus` as a section, in `tandem.up_config`; the worker
+and frontend flags it forwards come from the two configs above). The converters from text are `tandem.converters`. The
 runtime's own defaults (sockets, heartbeats, GC) are in `tandem.runtime.config`.
 """
 
@@ -28,8 +28,8 @@ from typing import Any, Literal
 import msgspec
 
 from tandem.converters import (
-    address_list, gpu_list, key_dir, model_dir, non_negative_float, non_negative_int,
-    port, port_or_zero, positive_float, positive_int,
+    address_list, admin_token_file, gpu_list, key_dir, model_dir, non_negative_float,
+    non_negative_int, port, port_or_zero, positive_float, positive_int, tenant_sources,
 )
 from tandem.engines.sglang_cpu import DEVICE_HELP
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
@@ -91,8 +91,14 @@ class Common:
                                  "before they are ended", flag="--drain-timeout",
                                  type=non_negative_float)
     auth_keys: str = opt("", "directory holding the cluster's CURVE key pair (`tandem keys init "
-                         "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only; "
-                         "`tandem up` makes one unless --no-auth)", type=key_dir, metavar="DIR")
+                         "DIR`), the same for every process of the cluster (default: the one "
+                         "`tandem keys init` wrote to ~/.config/tandem/keys; with none there a "
+                         "worker or frontend refuses to start unless --no-auth; `tandem up` makes "
+                         "a new pair for its processes)", type=key_dir, metavar="DIR")
+    no_auth: bool = opt(False, "run without the cluster's keys: any local process may then talk "
+                        "to this process's sockets, and KV a decode worker receives is never "
+                        "cached (loopback only; `tandem up` passes it to every process it starts "
+                        "and makes no key pair)")
 
 
 @dataclass(frozen=True)
@@ -283,6 +289,15 @@ class FrontendConfig(Common):
                                   choices=HTTP_SERVERS)
     reuse_port: bool = opt(False, "bind the HTTP port with SO_REUSEPORT, so that several frontend "
                            "processes share it (tandem up --frontends N)")
+    admin_token_file: str = opt("", "a file whose first line is the admin token: a client not on "
+                                "loopback reads /workers (where each worker publishes its KV "
+                                "events) only with `Authorization: Bearer TOKEN` (default: none, "
+                                "loopback clients only)", metavar="FILE", type=admin_token_file)
+    tenant_by: tuple[str, ...] = opt(("key", "user", "address"), "where a request's tenant (the "
+                                     "client fairness is kept across) is read, first found "
+                                     "wins: key (its API key), user (the body's), header:NAME, "
+                                     "address (the client's IP)", type=tenant_sources,
+                                     metavar="LIST")
     log_stats_interval_s: float = opt(10.0, "seconds between the one-line throughput and queue "
                                       "summaries in the log (0 = none)",
                                       flag="--log-stats-interval", type=non_negative_float)
@@ -317,78 +332,6 @@ class FrontendConfig(Common):
                                         "that was up: the 3 s heartbeat deadline)",
                                         flag="--worker-start-timeout", type=positive_float)
     router: RouterConfig = opt(RouterConfig(), "router flags")
-
-
-@dataclass(frozen=True)
-class UpGpus:
-    """tandem up: GPUs for the workers (each worker's CUDA_VISIBLE_DEVICES)"""
-
-    gpus: tuple[str, ...] = opt((), "GPU ids to hand out in order, aggregated or prefill workers "
-                                "first, then decode; GPUs are handed out when this is given or a "
-                                "worker needs them (sglang not on cpu, --device cuda, TP above 1) "
-                                "(default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
-                                type=gpu_list, metavar="LIST")
-    cpu: bool = opt(False, "hand out no GPUs: every worker gets an empty CUDA_VISIBLE_DEVICES "
-                    "(mock, reference; sglang workers get --device cpu: SGLang's CPU engine)")
-    tp: int = opt(1, "GPUs per worker, every role (SGLang gets it as --tp-size)", type=positive_int)
-    prefill_tp: int = opt(0, "GPUs per prefill worker (0 = --tp)", type=non_negative_int)
-    decode_tp: int = opt(0, "GPUs per decode worker (0 = --tp)", type=non_negative_int)
-
-    def tp_of(self, role: str) -> int:
-        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 0) or self.tp
-
-
-@dataclass(frozen=True)
-class UpConfig(UpGpus, Common):
-    """tandem up: the cluster's shape, its ports, logs and keys"""
-
-    workers: int = opt(1, "number of aggregated workers, when no --prefill/--decode (0 = none: "
-                       "frontends for --worker-addresses only)", type=non_negative_int)
-    prefill: int = opt(0, "number of prefill workers: with --decode, serve disaggregated (xPyD); "
-                       "alone, one role of a cluster spread over nodes", type=non_negative_int)
-    decode: int = opt(0, "number of decode workers: with --prefill, serve disaggregated (xPyD); "
-                      "alone, one role of a cluster spread over nodes", type=non_negative_int)
-    frontends: int = opt(1, "number of frontend processes sharing the HTTP port (SO_REUSEPORT); "
-                         "0 = workers only", type=non_negative_int)
-    worker_addresses: tuple[str, ...] = opt(
-        (), "workers started elsewhere that the frontends also route to: tcp://HOST:PORT, or "
-        "dns://NAME:PORT for every address a name resolves to", type=address_list,
-        metavar="ADDR[,ADDR...]")
-    port: int = opt(8000, "HTTP port of the frontend(s)", type=port)
-    advertise_host: str = opt("", "address other processes reach the workers at: the frontends' "
-                              "--workers, prefill bootstrap, NIXL (default: --host; 127.0.0.1 "
-                              "when --host is 0.0.0.0 or ::)", metavar="ADDR")
-    worker_base_port: int = opt(0, "first worker port; workers take consecutive ports, and so do "
-                                "prefill bootstrap sockets unless --bootstrap-base-port "
-                                "(0 = free ports)", type=port_or_zero)
-    bootstrap_base_port: int = opt(0, "first prefill worker's KV bootstrap port; prefill workers "
-                                   "count up from it (0 = as --worker-base-port says)",
-                                   type=port_or_zero)
-    health_base_port: int = opt(0, "first worker's health port (/live, /health, /metrics); "
-                                "workers count up from it (0 = free ports)", type=port_or_zero)
-    ready_timeout_s: float = opt(120.0, "seconds to wait for the cluster to be ready",
-                                 flag="--ready-timeout", type=positive_float)
-    log_dir: str = opt("", "write each process's output to DIR/NAME.log and the plan to "
-                       "DIR/plan.tsv (default: none, all to this terminal)", metavar="DIR")
-    no_auth: bool = opt(False, "make no key pair: workers accept any local process (loopback "
-                        "only). Without this or --auth-keys, up writes a new CURVE key pair into "
-                        "a private temporary directory, gives it to every process and removes it "
-                        "on exit")
-    dry_run: bool = opt(False, "print the plan, one tab-separated line per process (kind, name, "
-                        "role, GPUs, ports, address, log, then cmd= the command), and start "
-                        "nothing")
-    demo: bool = opt(False, "once ready, stream one chat completion to the terminal, then keep "
-                     "serving")
-
-    def __post_init__(self) -> None:
-        if self.cpu and self.gpus:
-            raise ValueError("--cpu and --gpus: choose one")
-        if self.no_auth and self.auth_keys:
-            raise ValueError("--no-auth and --auth-keys: choose one")
-        if not (self.auth_keys or self.no_auth) and (not self.frontends or self.worker_addresses):
-            raise ValueError("processes started elsewhere (--frontends 0, --worker-addresses) "
-                             "need this cluster's key pair: pass --auth-keys DIR, the same on "
-                             "every node (`tandem keys init DIR` once), or --no-auth on loopback")
 
 
 # Names other modules import; each is the field default above, not a second copy.

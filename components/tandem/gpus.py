@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from tandem.config import UpGpus
+from tandem.up_config import UpGpus
 from tandem.converters import gpu_list
 from tandem.plans import Plan
 

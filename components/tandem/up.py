@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from types import FrameType
 
 from tandem import demo, flags, gpus, launcher
-from tandem.config import (
-    PASSTHROUGH_ENGINES, Common, FrontendConfig, UpConfig, WorkerConfig, served_name,
-)
+from tandem.config import PASSTHROUGH_ENGINES, Common, FrontendConfig, WorkerConfig, served_name
+from tandem.up_config import UpConfig
 
 COMMON = tuple(f.path[0] for f in flags.flags_of(Common))  # up's own, forwarded to every child
 PER_WORKER = ("role", "port", "bootstrap_port", "name", "advertise_host", "health_port",

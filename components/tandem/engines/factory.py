@@ -33,7 +33,8 @@ def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
         role=cfg.role, name=name, make_mover=make_mover,
         room_timeout_s=cfg.kv_room_timeout_s, done_timeout_s=cfg.kv_done_timeout_s,
         transfer_timeout_s=cfg.kv_transfer_timeout_s,
-        host=cfg.host, port=cfg.bootstrap_port, advertise_host=cfg.reach_host)
+        host=cfg.host, port=cfg.bootstrap_port, advertise_host=cfg.reach_host,
+        trusted=bool(cfg.auth_keys))
 
 
 def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON; a session header or the
 `user` field is the router's conversation key), GET /v1/models and /v1/models/{id}, POST /tokenize
 and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one registry shared with the pool)
-and /workers (the pool's snapshot). Every error is an OpenAI error body.
+and /workers (the pool's snapshot; an admin endpoint, tandem.frontend.admin). Every error is an
+OpenAI error body.
 
 Templating and tokenizing a large prompt runs in a thread, so the event loop (and the workers'
 heartbeats it answers) never waits long on it: each step is sized by its own work (a template by
@@ -32,11 +33,13 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from tandem.config import FrontendConfig
-from tandem.frontend import schemas, validate
+from tandem.frontend import admin, schemas, validate
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
-                                  Send, content_length, read_body, session_of, watch_disconnect)
+                                  Send, content_length, lifespan, read_body, session_of,
+                                  watch_disconnect)
 from tandem.frontend.limits import BodyBudget
+from tandem.frontend.tenants import tenant_of
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
@@ -67,8 +70,8 @@ class Pool(Protocol):
 
     async def snapshot(self) -> list[dict[str, Any]]: ...
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> Handle: ...
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
+             tenant: str = "", priority: int = 0) -> Handle: ...
 
 
 class FrontendApp:
@@ -78,6 +81,7 @@ class FrontendApp:
     def __init__(self, config: FrontendConfig, pool: Pool, preprocessor: Preprocessor,
                  max_body_bytes: int = MAX_BODY_BYTES, registry: Registry | None = None):
         self.config = config
+        self.admin = admin.Gate(admin.read_token(config.admin_token_file))
         self.pool = pool
         self.preprocessor = preprocessor
         self.model_name = preprocessor.model_name
@@ -123,7 +127,7 @@ class FrontendApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -148,7 +152,7 @@ class FrontendApp:
             small = self._post_small.get(path)
             endpoint = path if handler or small else "other"
             if handler is not None and method in ("GET", "HEAD"):
-                await handler(ex)
+                await self.admin.serve(path, scope, ex, handler)
             elif small is not None and method == "POST":
                 await self._small(small, scope, receive, ex)
             elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
@@ -174,7 +178,9 @@ class FrontendApp:
         try:
             job = await self._prepare(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
-            handles = [self.pool.open(c.prompt_ids, c.sampling, session) for c in job.choices]
+            tenant = tenant_of(scope, job.user, self.config.tenant_by)
+            handles = [self.pool.open(c.prompt_ids, c.sampling, session, tenant, job.priority)
+                       for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)
             await ex.error(e)
@@ -267,7 +273,8 @@ class FrontendApp:
             stream=opts.stream, include_usage=opts.include_usage,
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint)
+            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint,
+            priority=req.priority or 0)
 
     def _max_context(self) -> int:
         max_context = self.pool.max_context
@@ -388,13 +395,3 @@ T = TypeVar("T")
 def _template_work(messages: list[dict[str, Any]]) -> int:
     """What rendering the chat template over `messages` costs, in characters' worth."""
     return sum(len(m["content"] or "") for m in messages) + MESSAGE_COST * len(messages)
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -66,6 +66,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     response_format: ResponseFormat | None = None
     stream_interval: AnyInt | None = None  # tandem extension: coalesce this many tokens per chunk
     regex: str | None = None  # tandem extension: the output matches this regular expression
+    priority: AnyInt | None = None  # vLLM's: lower is served first (default 0)
 
 
 class CompletionRequest(GenerateRequest, kw_only=True):
