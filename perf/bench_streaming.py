@@ -107,9 +107,9 @@ def _free_port() -> int:
 
 
 def _keyless(tree: str | None) -> list[str]:
-    """--no-auth, for a tree whose hand-started processes need it said (older ones refuse it)."""
-    root = tree or os.path.join(os.path.dirname(__file__), "..")
-    cli = Path(root, "components", "tandem", "cli.py")
+    """--no-auth, for a tree whose hand-started processes need it said (older ones refuse it;
+    this script runs alone, so perf.launch's `keyless` is not imported)."""
+    cli = Path(tree or HERE.parent, "components", "tandem", "cli.py")
     return ["--no-auth"] if "resolve_keys_dir" in cli.read_text() else []
 
 

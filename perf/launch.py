@@ -45,16 +45,29 @@ class Launched:
         self.cluster.stop(timeout_s)
 
 
+def keyless(pythonpath: str | None = None) -> list[str]:
+    """`--no-auth`, for servers that must be told by name to run keyless (this tree's; a baseline
+    tree's, on `pythonpath`, only when it knows the flag: older ones refuse it)."""
+    if not pythonpath:
+        return ["--no-auth"]
+    for entry in pythonpath.split(os.pathsep):
+        cli = os.path.join(entry, "tandem", "cli.py")
+        if os.path.exists(cli):
+            with open(cli) as f:
+                return ["--no-auth"] if "resolve_keys_dir" in f.read() else []
+    return []
+
+
 def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
            frontend_args: list[str], ready_timeout_s: float = 60.0,
            engine: str = "mock") -> Launched:
     """A frontend over one agg worker, or over one prefill and one decode worker."""
     os.makedirs(log_dir, exist_ok=True)
-    quiet = ["--log-level", "WARNING"]
-    p = plan(Shape.parse(shape), model, worker_args=["--engine", engine, *quiet, *worker_args],
-             frontend_args=[*quiet, *frontend_args])
     # perf.bench_compare runs a baseline commit's servers under this tree's load generator.
     server_path = os.environ.get("TANDEM_SERVER_PYTHONPATH")
+    quiet = ["--log-level", "WARNING", *keyless(server_path)]  # (loopback only)
+    p = plan(Shape.parse(shape), model, worker_args=["--engine", engine, *quiet, *worker_args],
+             frontend_args=[*quiet, *frontend_args])
     env = {**os.environ, "PYTHONPATH": server_path} if server_path else None
     out = Launched(LocalCluster(p, log_dir=log_dir, env=env))
     try:

@@ -152,6 +152,10 @@ class WorkerConfig(MockTiming, Common):
                          type=non_negative_int)
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
+    max_prefill_tokens: int = opt(0, "mock and reference engines: most prompt tokens prefilled in "
+                                  "one step, at least one prompt (vLLM's max-num-batched-tokens; "
+                                  "0 = the engine's own: reference 4096, mock unlimited)",
+                                  type=non_negative_int)
     prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "
                              "keyed by their token prefix, and reuse them for later prompts that "
                              "start the same way (--no-prefix-cache: recompute every prompt)")

@@ -46,15 +46,18 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
         return MockEngine(
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
             output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg),
-            prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv)
+            prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
+            max_prefill_tokens=cfg.max_prefill_tokens)
     if cfg.engine == "reference":
+        from tandem.engines.reference.engine import DEFAULT_MAX_PREFILL_TOKENS as PREFILL_TOKENS
         from tandem.engines.reference.engine import ReferenceEngine
 
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
                                output_mode=cfg.output_mode or None, handoff=handoff,
                                prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
-                               threads=cfg.threads)
+                               threads=cfg.threads,
+                               max_prefill_tokens=cfg.max_prefill_tokens or PREFILL_TOKENS)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine
 
