@@ -171,3 +171,15 @@ async def test_a_slow_grammar_is_killed_and_others_compile_beside_it(
         max_tokens=200, temperature=0.0, regex="[ab]{4}"), tenant="a"), rec)
     await asyncio.wait_for(again.done.wait(), 60)
     assert again.finish == "stop"
+
+
+def test_a_busy_compiler_is_a_503_with_retry_after() -> None:
+    """What EngineBusy (a tenant's compiles capped, or a long wait for a slot) becomes: the
+    client's 503 with Retry-After, naming the field, never a 400 or a 500."""
+    from tandem.frontend.http import error_of
+    from tandem.runtime.wire import Delta, ErrorKind
+
+    err = error_of(Delta("r", 0, [], "error", error="json_schema: busy",
+                         error_kind=ErrorKind.BUSY, error_param="json_schema"))
+    assert err.status == 503 and err.retry_after and err.param == "json_schema"
+    assert EngineBusy("x").kind is ErrorKind.BUSY
