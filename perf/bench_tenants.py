@@ -1,5 +1,5 @@
 """A noisy tenant and a quiet one on one mock-engine cluster: what fair admission buys the quiet
-one (ARCHITECTURE.md, "KV-aware routing" and the README's "Priorities and fair admission").
+one (README, "Priorities and fair admission"; results: perf/results/tenants.md).
 
 One aggregated mock worker (`--max-batch 16`, a decode step of 10 ms plus 0.1 ms per running
 request, prefill 20 us per token, a KV cache small enough to evict) behind one frontend
