@@ -68,6 +68,12 @@ def test_every_refused_field_is_named_with_its_reason() -> None:
     assert err.message.startswith("Unrecognized request arguments supplied: ")
 
 
+def test_a_flood_of_unknown_fields_gets_a_short_answer() -> None:
+    err = bad(completion, **{f"k{i}" + "x" * 100: 1 for i in range(10_000)})
+    assert err.param is not None and len(err.param.split(",")) == 32
+    assert err.message.endswith("and 9968 more.") and len(err.message) < 4000
+
+
 def test_nested_unknown_fields_name_their_path() -> None:
     err = bad(chat, stream=True, stream_options={"include_usage": True, "usage": True})
     assert err.param == "stream_options.usage"

@@ -74,6 +74,10 @@ NOT_APPLIED: dict[str, str] = {
 }
 
 
+MAX_NAMED = 32  # fields a 400 names (a body of a million made-up keys gets a short answer)
+MAX_NAME_CHARS = 64
+
+
 def known_fields(cls: type) -> tuple[str, ...]:
     return tuple(f.encode_name for f in msgspec.structs.fields(cls))
 
@@ -91,7 +95,9 @@ def refusal(body: bytes, cls: type, first: str) -> errors.BadRequest:
         keys = list(obj) if isinstance(obj, dict) else []
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         keys = []
-    names = unapplied(keys, cls) or [first]
+    names = [n[:MAX_NAME_CHARS] for n in unapplied(keys, cls) or [first]]
+    more = len(names) - MAX_NAMED
+    names = names[:MAX_NAMED]
     known = known_fields(cls)
     reasons = []
     for name in names:
@@ -100,6 +106,8 @@ def refusal(body: bytes, cls: type, first: str) -> errors.BadRequest:
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             why = "unknown field" + (f" (did you mean `{near[0]}`?)" if near else "")
         reasons.append(f"`{name}`: {why}")
+    if more > 0:
+        reasons.append(f"and {more} more")
     noun = "argument" if len(names) == 1 else "arguments"
     return errors.BadRequest(f"Unrecognized request {noun} supplied: {'; '.join(reasons)}.",
                              param=",".join(names))
