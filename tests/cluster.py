@@ -24,7 +24,11 @@ ENV = {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", 
 
 
 def spawn(name: str, argv: list[str], log_dir: str) -> Proc:
-    """A tandem process for a test: output to LOG_DIR/NAME.log, UCX on loopback."""
+    """A tandem process for a test: output to LOG_DIR/NAME.log, UCX on loopback. A worker or a
+    frontend given no --auth-keys runs keyless on loopback, said by name (--no-auth), as a
+    process started by hand must."""
+    if argv[0] in ("worker", "frontend") and "--auth-keys" not in argv and "--no-auth" not in argv:
+        argv = [*argv, "--no-auth"]
     return _spawn(name, argv, log_dir=log_dir, env=ENV)
 
 

@@ -175,6 +175,7 @@ class FakePool:
         self.reply_ids = reply_ids or [10, 11, 12]
         self.script = script or (lambda rid, ids, sp: deltas(rid, self.reply_ids))
         self.is_ready = True
+        self.tenants: list[tuple[str, int]] = []  # (tenant, priority) of each open()
         self.unavailable: errors.TandemError | None = None
         self.opened: list[tuple[list[int], SamplingParams]] = []
         self.streams: list[FakeHandle] = []
@@ -193,8 +194,9 @@ class FakePool:
                  "in_flight": sum(1 for s in self.streams if s.entered and not s.exited),
                  "pages_free": 64, "pages_total": 64}]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> FakeHandle:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
+             tenant: str = "", priority: int = 0) -> FakeHandle:
+        self.tenants.append((tenant, priority))
         if self.unavailable is not None:
             raise self.unavailable
         self._n += 1

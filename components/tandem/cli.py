@@ -69,7 +69,10 @@ class _Parsers:
         self.keys = sub.add_parser("keys", help="make the cluster's CURVE key pair")
         ksub = self.keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
         kinit = ksub.add_parser("init", help="write a new cluster key pair into a directory")
-        kinit.add_argument("dir", help="directory to write (created if missing)")
+        kinit.add_argument("dir", nargs="?", default="",
+                           help="directory to write (created if missing; default: "
+                                "$XDG_CONFIG_HOME/tandem/keys, i.e. ~/.config/tandem/keys, where "
+                                "`tandem worker` and `tandem frontend` look without --auth-keys)")
         kinit.add_argument("--force", action="store_true", help="overwrite an existing key pair")
         kinit.add_argument("--log-level", choices=LOG_LEVELS, default="INFO",
                            help="log level (default: INFO)")
@@ -147,24 +150,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a tiny Llama checkpoint to {target}")
         return 0
     if cmd.name == "keys":
-        from tandem.runtime.auth import AuthError, write_keys
+        from tandem.runtime.auth import AuthError, default_keys_dir, write_keys
 
         try:
-            where = write_keys(cmd.args.dir, force=cmd.args.force)
+            where = write_keys(cmd.args.dir or default_keys_dir(), force=cmd.args.force)
         except AuthError as e:
             print(f"tandem keys: {e}", file=sys.stderr)
             return 1
         print(f"wrote the cluster key pair to {where}")
         return 0
-    if isinstance(cmd.config, WorkerConfig):
-        from tandem.worker.main import run_worker
+    if isinstance(cmd.config, (WorkerConfig, FrontendConfig)):
+        from tandem.runtime.auth import AuthError, resolve_keys_dir
 
-        run_worker(cmd.config)
-        return 0
-    if isinstance(cmd.config, FrontendConfig):
-        from tandem.frontend.main import run_frontend
+        try:
+            keys = resolve_keys_dir(cmd.config.auth_keys, cmd.config.no_auth)
+        except AuthError as e:
+            print(f"tandem {cmd.name}: {e}", file=sys.stderr)
+            return 2
+        cfg = replace(cmd.config, auth_keys=keys)
+        if isinstance(cfg, WorkerConfig):
+            from tandem.worker.main import run_worker
 
-        run_frontend(cmd.config)
+            run_worker(cfg)
+        else:
+            from tandem.frontend.main import run_frontend
+
+            run_frontend(cfg)
         return 0
     if isinstance(cmd.config, UpConfig) and cmd.forwarded is not None:
         return up.run_up(cmd.config, cmd.forwarded)

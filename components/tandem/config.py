@@ -13,7 +13,7 @@ flag, a default or a help text):
 
 The chain: `Common` (what every process takes) -> `WorkerConfig` (with the mock engine's knobs,
 `MockTiming`, as a section of their own) / `FrontendConfig` (with a nested `RouterConfig`) /
-`UpConfig` (`tandem up`'s own flags, with `UpGpus` as a section, in tandem.up_config; the worker
+`UpConfig` (`tandem up`'s own flags, with `UpGpus` as a section, in `tandem.up_config`; the worker
 and frontend flags it forwards come from the two configs above). The converters from text are `tandem.converters`. The
 runtime's own defaults (sockets, heartbeats, GC) are in `tandem.runtime.config`.
 """
@@ -28,8 +28,8 @@ from typing import Any, Literal
 import msgspec
 
 from tandem.converters import (
-    address_list, key_dir, model_dir, non_negative_float, non_negative_int,
-    port, port_or_zero, positive_float, positive_int,
+    address_list, admin_token_file, key_dir, model_dir, non_negative_float, non_negative_int,
+    port, port_or_zero, positive_float, positive_int, tenant_sources,
 )
 from tandem.engines.sglang_cpu import DEVICE_HELP
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
@@ -91,8 +91,14 @@ class Common:
                                  "before they are ended", flag="--drain-timeout",
                                  type=non_negative_float)
     auth_keys: str = opt("", "directory holding the cluster's CURVE key pair (`tandem keys init "
-                         "DIR`); needed to use ZMQ beyond loopback (default: none, loopback only; "
-                         "`tandem up` makes one unless --no-auth)", type=key_dir, metavar="DIR")
+                         "DIR`), the same for every process of the cluster (default: the one "
+                         "`tandem keys init` wrote to ~/.config/tandem/keys; with none there a "
+                         "worker or frontend refuses to start unless --no-auth; `tandem up` makes "
+                         "a new pair for its processes)", type=key_dir, metavar="DIR")
+    no_auth: bool = opt(False, "run without the cluster's keys: any local process may then talk "
+                        "to this process's sockets, and KV a decode worker receives is never "
+                        "cached (loopback only; `tandem up` passes it to every process it starts "
+                        "and makes no key pair)")
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,10 @@ class WorkerConfig(MockTiming, Common):
                          type=non_negative_int)
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
+    max_prefill_tokens: int = opt(0, "mock and reference engines: most prompt tokens prefilled in "
+                                  "one step, at least one prompt (vLLM's max-num-batched-tokens; "
+                                  "0 = the engine's own: reference 4096, mock unlimited)",
+                                  type=non_negative_int)
     prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "
                              "keyed by their token prefix, and reuse them for later prompts that "
                              "start the same way (--no-prefix-cache: recompute every prompt)")
@@ -283,6 +293,15 @@ class FrontendConfig(Common):
                                   choices=HTTP_SERVERS)
     reuse_port: bool = opt(False, "bind the HTTP port with SO_REUSEPORT, so that several frontend "
                            "processes share it (tandem up --frontends N)")
+    admin_token_file: str = opt("", "a file whose first line is the admin token: a client not on "
+                                "loopback reads /workers (where each worker publishes its KV "
+                                "events) only with `Authorization: Bearer TOKEN` (default: none, "
+                                "loopback clients only)", metavar="FILE", type=admin_token_file)
+    tenant_by: tuple[str, ...] = opt(("key", "user", "address"), "where a request's tenant (the "
+                                     "client fairness is kept across) is read, first found "
+                                     "wins: key (its API key), user (the body's), header:NAME, "
+                                     "address (the client's IP)", type=tenant_sources,
+                                     metavar="LIST")
     log_stats_interval_s: float = opt(10.0, "seconds between the one-line throughput and queue "
                                       "summaries in the log (0 = none)",
                                       flag="--log-stats-interval", type=non_negative_float)

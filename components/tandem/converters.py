@@ -88,6 +88,23 @@ def key_dir(text: str) -> str:
     return text
 
 
+def admin_token_file(text: str) -> str:
+    """A file holding the frontend's admin token (checked as the flags are parsed)."""
+    from tandem.frontend.admin import read_token
+
+    try:
+        read_token(text)
+    except OSError as e:
+        raise ValueError(f"cannot read {text}: {e.strerror}") from None
+    return text
+
+
+def tenant_sources(text: str) -> tuple[str, ...]:
+    from tandem.frontend.tenants import parse_sources
+
+    return parse_sources(text)
+
+
 def address_list(text: str) -> tuple[str, ...]:
     addrs = tuple(a.strip() for a in text.split(",") if a.strip())
     if not addrs:

@@ -1,18 +1,15 @@
-"""`tandem up`'s own flags, on the chain of tandem.config (whose docstring says how a field
-becomes a flag): `UpConfig` (the cluster's shape, ports, logs and keys) with its GPUs as a section
-(`UpGpus`). The worker and frontend flags `up` forwards come from WorkerConfig and
-FrontendConfig.
-"""
+"""`tandem up`'s own flags (its defaults and help, as `tandem.config` keeps every other
+component's): the cluster's shape, ports, logs and keys (`UpConfig`), and the workers' GPUs
+(`UpGpus`). The worker and frontend flags `up` forwards are `tandem.config`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tandem.config import Common, opt
-from tandem.converters import (address_list, gpu_list, non_negative_int, port, port_or_zero,
-                               positive_float, positive_int)
-
-__all__ = ["UpConfig", "UpGpus"]
+from tandem.converters import (
+    address_list, gpu_list, non_negative_int, port, port_or_zero, positive_float, positive_int,
+)
 
 
 @dataclass(frozen=True)
@@ -66,10 +63,6 @@ class UpConfig(UpGpus, Common):
                                  flag="--ready-timeout", type=positive_float)
     log_dir: str = opt("", "write each process's output to DIR/NAME.log and the plan to "
                        "DIR/plan.tsv (default: none, all to this terminal)", metavar="DIR")
-    no_auth: bool = opt(False, "make no key pair: workers accept any local process (loopback "
-                        "only). Without this or --auth-keys, up writes a new CURVE key pair into "
-                        "a private temporary directory, gives it to every process and removes it "
-                        "on exit")
     dry_run: bool = opt(False, "print the plan, one tab-separated line per process (kind, name, "
                         "role, GPUs, ports, address, log, then cmd= the command), and start "
                         "nothing")

@@ -46,6 +46,19 @@ class Launched:
         self.cluster.stop(timeout_s)
 
 
+def keyless(pythonpath: str | None = None) -> list[str]:
+    """`--no-auth`, for servers that must be told by name to run keyless (this tree's; a baseline
+    tree's, on `pythonpath`, only when it knows the flag: older ones refuse it)."""
+    if not pythonpath:
+        return ["--no-auth"]
+    for entry in pythonpath.split(os.pathsep):
+        cli = os.path.join(entry, "tandem", "cli.py")
+        if os.path.exists(cli):
+            with open(cli) as f:
+                return ["--no-auth"] if "resolve_keys_dir" in f.read() else []
+    return []
+
+
 def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
            frontend_args: list[str], ready_timeout_s: float = 60.0,
            engine: str = "mock", *, keys: str = "", health_base_port: int | None = None,
@@ -55,13 +68,14 @@ def launch(shape: str, model: str, log_dir: str, worker_args: list[str],
     gives each worker a health port (None: none); `own_session`: each child in its own session,
     as `tandem up` starts them."""
     os.makedirs(log_dir, exist_ok=True)
-    common = ["--log-level", "WARNING", *(["--auth-keys", keys] if keys else [])]
-    p = plan(Shape.parse(shape), model, host="127.0.0.1", health_base_port=health_base_port,
-             worker_args=["--engine", engine, *common, *worker_args],
-             frontend_args=[*common, *frontend_args])
     # perf.streaming.bench_compare runs a baseline commit's servers under this tree's load
     # generator.
     server_path = os.environ.get("TANDEM_SERVER_PYTHONPATH")
+    auth = ["--auth-keys", keys] if keys else keyless(server_path)  # (keyless: loopback only)
+    common = ["--log-level", "WARNING", *auth]
+    p = plan(Shape.parse(shape), model, host="127.0.0.1", health_base_port=health_base_port,
+             worker_args=["--engine", engine, *common, *worker_args],
+             frontend_args=[*common, *frontend_args])
     if server_path:
         env = {**(env or os.environ), "PYTHONPATH": server_path}
     out = Launched(LocalCluster(p, log_dir=log_dir, env=env, own_session=own_session))

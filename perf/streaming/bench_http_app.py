@@ -85,7 +85,8 @@ def _frontend_app() -> Any:
         async def snapshot(self) -> list[dict[str, Any]]:
             return []
 
-        def open(self, prompt_ids: list[int], sampling: Any, session: str = "") -> Handle:
+        def open(self, prompt_ids: list[int], sampling: Any, session: str = "",
+                 tenant: str = "", priority: int = 0) -> Handle:
             self.n += 1
             return Handle(str(self.n), sampling.max_tokens)
 

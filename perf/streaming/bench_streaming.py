@@ -106,6 +106,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _keyless(tree: str | None) -> list[str]:
+    """--no-auth, for a tree whose hand-started processes need it said (older ones refuse it;
+    this script runs alone, so perf.common.launch's `keyless` is not imported)."""
+    cli = Path(tree or HERE.parent, "components", "tandem", "cli.py")
+    return ["--no-auth"] if "resolve_keys_dir" in cli.read_text() else []
+
+
 def _spawn(argv: list[str], log: Path, tree: str | None = None) -> subprocess.Popen[bytes]:
     """A tandem process; `tree`: run that checkout's code instead of this one's."""
     env = None
@@ -143,10 +150,11 @@ def _start(model: str, mode: str, concurrency: int, logs: Path,
     pages = concurrency * 24
     worker = _spawn(["worker", "--model", model, "--engine", "mock", "--port", str(wport),
                      "--output-mode", mode, "--max-batch", str(concurrency), "--num-pages",
-                     str(pages), "--log-level", "WARNING"], logs / f"worker-{mode}{tag}.log",
+                     str(pages), "--log-level", "WARNING", *_keyless(tree)],
+                    logs / f"worker-{mode}{tag}.log",
                     tree)
     front = _spawn(["frontend", "--model", model, "--workers", f"tcp://127.0.0.1:{wport}",
-                    "--port", str(hport), "--log-level", "WARNING"],
+                    "--port", str(hport), "--log-level", "WARNING", *_keyless(tree)],
                    logs / f"frontend-{mode}{tag}.log", tree)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -99,8 +99,8 @@ def test_restarts_are_rate_limited() -> None:
 def test_a_dead_frontend_is_restarted_and_one_dying_too_often_stops_supervision(
         tiny_model: str, tmp_path) -> None:
     plan = launcher.plan(launcher.Shape(agg=1), tiny_model,
-                         worker_args=("--engine", "mock", "--log-level", "WARNING"),
-                         frontend_args=("--log-level", "WARNING"))
+                         worker_args=("--engine", "mock", "--log-level", "WARNING", "--no-auth"),
+                         frontend_args=("--log-level", "WARNING", "--no-auth"))
     cluster = launcher.LocalCluster(plan, log_dir=str(tmp_path), env=ENV)
     cluster.start()
     try:

@@ -293,7 +293,7 @@ def test_a_dead_receive_loop_ends_the_process_with_status_1(mock_dir: str,
     script = tmp_path / "broken_worker.py"
     script.write_text(textwrap.dedent(BROKEN_WORKER))
     argv = [sys.executable, str(script), "worker", "--engine", "mock", "--model", mock_dir,
-            "--port", str(free_port()), "--drain-timeout", "1"]
+            "--port", str(free_port()), "--drain-timeout", "1", "--no-auth"]
     p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=30)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "fatal: task worker-recv died" in p.stderr

@@ -160,11 +160,12 @@ async def test_dns_workers_added_and_removed_while_streaming(tiny_model: str,
     for i, ip in enumerate(IPS):
         procs[ip] = spawn(f"worker{i}", [
             "worker", "--model", tiny_model, "--engine", "mock", "--host", ip, "--port", str(port),
-            "--step-delay-ms", "20", "--log-level", "WARNING"], log_dir=logs, env=ENV)
+            "--step-delay-ms", "20", "--log-level", "WARNING", "--no-auth"], log_dir=logs, env=ENV)
     http = port_free_on_all(["127.0.0.1"])
     url = f"http://127.0.0.1:{http}"
     fe = spawn("frontend", ["frontend", "--model", tiny_model, "--workers",
-                            f"dns://{NAME}:{port}", "--port", str(http), "--log-level", "INFO"],
+                            f"dns://{NAME}:{port}", "--port", str(http), "--log-level", "INFO",
+                            "--no-auth"],
                log_dir=logs, env=ENV | {"TANDEM_DISCOVERY_HOSTS": str(hosts)})
     all_procs = [fe, *procs.values()]
     load: Load | None = None

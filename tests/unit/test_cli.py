@@ -159,8 +159,13 @@ def test_frontend_refuses_unknown_flags(model: str, capsys: pytest.CaptureFixtur
     assert "unrecognized arguments: --tp-size 2" in err
 
 
-def _non_default(flag: flags.Flag) -> Any:
+def _non_default(flag: flags.Flag, tmp_path: Path) -> Any:
     d = flag.default
+    if flag.dest == "tenant_by":
+        return ("user", "header:x-team")
+    if flag.dest == "admin_token_file":  # (a file that must exist)
+        (tmp_path / "admin-token").write_text("token\n")
+        return str(tmp_path / "admin-token")
     choices = flag.meta.get("choices")
     if callable(choices):
         choices = choices()
@@ -181,8 +186,9 @@ def _config_value(cfg: Any, flag: flags.Flag) -> Any:
     return cfg
 
 
-def test_up_forwards_every_worker_and_frontend_flag_exactly(model: str) -> None:
-    given = {f.flag: (f, _non_default(f)) for f in [*up.worker_flags(), *up.frontend_flags()]}
+def test_up_forwards_every_worker_and_frontend_flag_exactly(model: str, tmp_path: Path) -> None:
+    given = {f.flag: (f, _non_default(f, tmp_path))
+             for f in [*up.worker_flags(), *up.frontend_flags()]}
     argv = ["up", "--model", model, "--prefill", "1", "--decode", "2", "--drain-timeout", "4.5",
             "--log-level", "DEBUG"]
     for flag, value in given.values():

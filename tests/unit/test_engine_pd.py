@@ -102,17 +102,21 @@ class FakePrefillChannel:
 
 
 class Spec:
-    def __init__(self, kind: type, channel: Any) -> None:
-        self.kind, self.channel = kind, channel
+    def __init__(self, kind: type, channel: Any, trusted: bool = True) -> None:
+        self.kind, self.channel, self.trusted = kind, channel, trusted
 
     def build(self, host: Host, memory: Any) -> Any:
+        if self.kind is DecodeHandoff:
+            return DecodeHandoff(host, self.channel, self.trusted)
         return self.kind(host, self.channel)
 
 
 @contextlib.asynccontextmanager
-async def engine(mock_dir: str, kind: type, channel: Any, **kw: Any) -> AsyncIterator[MockEngine]:
+async def engine(mock_dir: str, kind: type, channel: Any, trusted: bool = True,
+                 **kw: Any) -> AsyncIterator[MockEngine]:
     """A started mock engine with this handoff, shut down however the test ends."""
-    e = MockEngine(mock_dir, page_size=4, num_pages=32, handoff=Spec(kind, channel), **kw)
+    e = MockEngine(mock_dir, page_size=4, num_pages=32, handoff=Spec(kind, channel, trusted),
+                   **kw)
     await e.start()
     try:
         yield e
@@ -139,6 +143,24 @@ async def test_decode_reserve_fetch_commit(mock_dir: str) -> None:
         await finished(run)
         assert run.outputs[0][0] == want[:1] and run.ids == want and run.finish == "length"
         await wait_idle(d)
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_kv_from_an_unauthenticated_peer_is_never_cached(mock_dir: str,
+                                                               trusted: bool) -> None:
+    """N2: a keyless decode worker kept pages a local process had overwritten in its prefix
+    cache, and served them to later requests. K/V written by a peer that did not authenticate
+    is its own request's only: none of its pages is cached (with keys: its full pages are)."""
+    ch = FakeDecodeChannel()
+    prompt = list(range(10, 22))  # 3 full pages
+    async with engine(mock_dir, DecodeHandoff, ch, trusted=trusted) as d:
+        run = Recorder(d).submit(d, "r", prompt, SamplingParams(max_tokens=5), B)
+        await until(lambda: ch.result is not None)
+        ch.result.set_result(first_ids(prompt, 1)[0])
+        await finished(run)
+        assert run.finish == "length"
+        await wait_idle(d)
+        assert (d.pool.num_cached > 0) is trusted
 
 
 async def test_decode_fetch_and_first_token_do_not_wait_for_a_step_boundary(

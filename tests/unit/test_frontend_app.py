@@ -24,6 +24,7 @@ from tests.metrics_text import value
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+TOKENIZE = "/tokenize"
 USER = [{"role": "user", "content": "Hello!"}]
 
 
@@ -167,6 +168,14 @@ async def test_completions_streamed_and_not(pre: Preprocessor) -> None:
      "stream_interval"),
     (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_interval": 2.5}', 400,
      "stream_interval"),
+    # Nothing accepted and ignored: a typo (it ran to the end of the context), a made-up field,
+    # vLLM's fields tandem does not apply; every one named at once.
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_token": 3}', 400,
+     "max_token"),
+    (COMPLETIONS, b'{"prompt": "x", "cache_salt": "s", "made_up": 1}', 400, "cache_salt,made_up"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_options": {"include_usag": true}}',
+     400, "stream_options.include_usag"),
+    (TOKENIZE, b'{"prompt": "x", "return_token_strs": true}', 400, "return_token_strs"),
 ])
 async def test_bad_requests_get_status_and_openai_body(pre: Preprocessor, path: str, body: bytes,
                                                        status: int, param: str | None) -> None:

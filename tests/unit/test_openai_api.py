@@ -27,9 +27,10 @@ def completion(**fields: object) -> schemas.CompletionRequest:
     return validate.decode_request(json.dumps(body).encode(), schemas.CompletionRequest)
 
 
-def bad(fn, *args: object) -> errors.TandemError:  # type: ignore[no-untyped-def]
+def bad(fn, *args: object,  # type: ignore[no-untyped-def]
+        **kwargs: object) -> errors.TandemError:
     with pytest.raises(errors.TandemError) as info:
-        fn(*args)
+        fn(*args, **kwargs)
     return info.value
 
 
@@ -51,8 +52,45 @@ def test_malformed_json_is_400() -> None:
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_fields_are_ignored() -> None:
-    assert chat(frequency_penalty=0, response_format={"type": "text"}).messages[0].content == "hi"
+def test_unknown_fields_are_refused_by_name() -> None:
+    """N8: a typo'd `max_token` was accepted and ran to the end of the context."""
+    err = bad(chat, max_token=3)
+    assert err.status == 400 and err.param == "max_token"
+    assert "`max_token`: unknown field (did you mean `max_tokens`?)" in err.message
+
+
+def test_every_refused_field_is_named_with_its_reason() -> None:
+    err = bad(completion, cache_salt="a", temperature=0, made_up=1, use_beam_search=True)
+    assert err.param == "cache_salt,made_up,use_beam_search"
+    assert "`cache_salt`: not supported yet" in err.message
+    assert "`made_up`: unknown field;" in err.message
+    assert "`use_beam_search`: beam search is not supported" in err.message
+    assert err.message.startswith("Unrecognized request arguments supplied: ")
+
+
+def test_a_flood_of_unknown_fields_gets_a_short_answer() -> None:
+    err = bad(completion, **{f"k{i}" + "x" * 100: 1 for i in range(10_000)})
+    assert err.param is not None and len(err.param.split(",")) == 32
+    assert err.message.endswith("and 9968 more.") and len(err.message) < 4000
+
+
+def test_nested_unknown_fields_name_their_path() -> None:
+    err = bad(chat, stream=True, stream_options={"include_usage": True, "usage": True})
+    assert err.param == "stream_options.usage"
+    err = bad(chat, response_format={"type": "json_schema", "schema": {}})
+    assert err.param == "response_format.schema"
+
+
+def test_fields_tandem_applies_and_sdk_message_keys_pass() -> None:
+    """vLLM's and SGLang's fields that tandem honours stay accepted; a chat message sent back as
+    the SDK gave it (refusal, annotations, audio, function_call) is not refused."""
+    req = chat(top_k=5, min_p=0.1, repetition_penalty=1.1, ignore_eos=True, min_tokens=1,
+               skip_special_tokens=False, include_stop_str_in_output=True, stop_token_ids=[1],
+               chat_template_kwargs={"x": 1}, stream_interval=2, regex="a+", user="u",
+               messages=[{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "ok", "refusal": None,
+                          "annotations": [], "audio": None, "function_call": None}])
+    assert req.top_k == 5 and req.messages[1].content == "ok"
 
 
 def test_unknown_model_is_404_in_openai_words() -> None:

@@ -115,9 +115,9 @@ class Harness:
     def metrics(self) -> str:
         return self.pool.registry.render()
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> RequestHandle:
-        h = self.pool.open(prompt_ids, sampling)
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
+             tenant: str = "", priority: int = 0) -> RequestHandle:
+        h = self.pool.open(prompt_ids, sampling, session, tenant, priority)
         self.streams.append(h)
         return h
 

@@ -72,6 +72,8 @@ class EngineRequest:
     # tokens an earlier leg already produced. Positions (seeded draws, min_tokens) and penalties
     # count them as output, so the continuation is what an unbroken run would have produced.
     resume_offset: int = 0
+    tenant: str = ""  # who sent it (wire.Generate): the engine's fair order across clients
+    priority: int = 0  # lower first (vLLM's convention)
 
 
 class EngineOutput(msgspec.Struct):

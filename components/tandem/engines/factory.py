@@ -33,7 +33,8 @@ def handoff_config(cfg: WorkerConfig, name: str) -> HandoffConfig | None:
         role=cfg.role, name=name, make_mover=make_mover,
         room_timeout_s=cfg.kv_room_timeout_s, done_timeout_s=cfg.kv_done_timeout_s,
         transfer_timeout_s=cfg.kv_transfer_timeout_s,
-        host=cfg.host, port=cfg.bootstrap_port, advertise_host=cfg.reach_host)
+        host=cfg.host, port=cfg.bootstrap_port, advertise_host=cfg.reach_host,
+        trusted=bool(cfg.auth_keys))
 
 
 def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
@@ -45,15 +46,18 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
         return MockEngine(
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
             output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg),
-            prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv)
+            prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
+            max_prefill_tokens=cfg.max_prefill_tokens)
     if cfg.engine == "reference":
+        from tandem.engines.reference.engine import DEFAULT_MAX_PREFILL_TOKENS as PREFILL_TOKENS
         from tandem.engines.reference.engine import ReferenceEngine
 
         return ReferenceEngine(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
                                output_mode=cfg.output_mode or None, handoff=handoff,
                                prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
-                               threads=cfg.threads)
+                               threads=cfg.threads,
+                               max_prefill_tokens=cfg.max_prefill_tokens or PREFILL_TOKENS)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine
 

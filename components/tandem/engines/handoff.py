@@ -205,9 +205,10 @@ class PrefillHandoff(_Handoff):
 class DecodeHandoff(_Handoff):
     role: Role = "decode"
 
-    def __init__(self, host: Host, channel: DecodeChannel) -> None:
+    def __init__(self, host: Host, channel: DecodeChannel, trusted: bool = True) -> None:
         super().__init__(host, channel)
         self.channel = channel
+        self.trusted = trusted  # K/V from its peers may be cached (HandoffConfig.trusted)
 
     async def start(self) -> None:
         pass
@@ -230,6 +231,8 @@ class DecodeHandoff(_Handoff):
             self.host.failed(seq, e)  # the pages come back when the channel releases them
             return
         first, logprobs, cached = got if isinstance(got, tuple) else (got, None, 0)
+        if not self.trusted:  # (written by a peer that did not authenticate: its request's only)
+            seq.cacheable = False
         self.host.joined(seq, first, logprobs, cached)
 
 
@@ -246,6 +249,9 @@ class HandoffConfig:
     host: str = ""  # prefill: where the bootstrap socket binds
     port: int = 0
     advertise_host: str = ""  # prefill: what decode workers connect to (default: host)
+    # decode: whether the peers that write K/V here authenticated (the cluster's keys). K/V from
+    # a peer that did not is served to its request alone, never cached for others.
+    trusted: bool = True
 
     def build(self, host: Host, memory: Any) -> PrefillHandoff | DecodeHandoff:
         mover = self.make_mover(memory, host.page_bytes, host.num_pages)
@@ -255,11 +261,13 @@ class HandoffConfig:
                                advertise_host=self.advertise_host)
             return PrefillHandoff(host, side)
         return DecodeHandoff(host, DecodeSide(mover, self.name, done_timeout_s=self.done_timeout_s,
-                                              transfer_timeout_s=self.transfer_timeout_s))
+                                              transfer_timeout_s=self.transfer_timeout_s),
+                             self.trusted)
 
 
 Handoff = PrefillHandoff | DecodeHandoff
 
 
 class HandoffSpec(Protocol):
+
     def build(self, host: Host, memory: Any) -> Handoff: ...

@@ -127,7 +127,7 @@ class MockEngine(Stepper):
                  output_mode: OutputMode | None = None, timing: MockTiming = MockTiming(),
                  handoff: HandoffSpec | None = None,
                  prefix_cache: bool = WorkerConfig.prefix_cache,
-                 check_pages: bool = WorkerConfig.check_kv) -> None:
+                 check_pages: bool = WorkerConfig.check_kv, max_prefill_tokens: int = 0) -> None:
         cfg = read_model_config(model_dir)
         self.spec = spec_from_config(model_dir, cfg)
         heads = int(cfg.get("num_attention_heads", 8))
@@ -137,7 +137,8 @@ class MockEngine(Stepper):
                                      int(cfg.get("num_key_value_heads", heads)), head_dim, 4)
         num_pages = num_pages or max(1, (max_batch * self.spec.max_context) // page_size)
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
-                         output_mode=output_mode, max_prefill_tokens=UNLIMITED_PREFILL_TOKENS,
+                         output_mode=output_mode,
+                         max_prefill_tokens=max_prefill_tokens or UNLIMITED_PREFILL_TOKENS,
                          handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
         self.timing = timing
         self._avoid = frozenset(self.spec.eos_token_ids)

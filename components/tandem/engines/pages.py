@@ -17,16 +17,20 @@ Invariant: promised <= free + cached-unreferenced.
 The prefix cache (`caching`): a full page whose K/V is computed can be `publish`ed under its key;
 a new request `match`es the keys of its prompt's leading full pages and `take`s the cached ones
 (shared, read only: nothing writes into a full page again) before new ones. A cached page no
-request holds is evictable: `allocate` and `reserve` take free pages first, then evict cached ones,
-least recently released first. A request's pages are released last page first, so a prefix's
-deeper pages are evicted before the pages they extend. Each store and eviction is recorded as a KV
-event (tandem.runtime.kv_events) while `recording`, and the engine takes them after each step
-(`take_events`); `admitted` counts what admission looked up and found cached (`queries`, `hits`).
+request holds is evictable: `allocate` and `reserve` take free pages first, then evict cached ones:
+pages no request has taken from the cache yet before pages one has (`_reused`), and within each,
+least recently released first. So one client's unique prompts, which nothing reuses, are evicted
+before a prefix others keep coming back to (a shared system prompt), however many there are. A
+request's pages are released last page first, so a prefix's deeper pages are evicted before the
+pages they extend. Each store and eviction is recorded as a KV event (tandem.runtime.kv_events)
+while `recording`, and the engine takes them after each step (`take_events`); `admitted` counts
+what admission looked up and found cached (`queries`, `hits`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import islice
 
 from tandem.engines.prefix import event_hash
 from tandem.runtime.errors import PagePoolError
@@ -57,6 +61,7 @@ class PagePool:
         self._key: dict[int, int] = {}  # cached page -> its key
         self._page: dict[int, int] = {}  # key -> cached page
         self._lru: dict[int, None] = {}  # cached pages nobody holds, least recently released first
+        self._reused: set[int] = set()  # cached pages a request has taken as a hit (evicted last)
         self._promised: dict[str, int] = {}  # owner -> pages it may still grow by
         self.num_promised = 0  # their sum
         self._events: list[KvEvent] = []  # stores and evictions since the engine last took them
@@ -153,11 +158,16 @@ class PagePool:
             token_ids=tokens(first * size, (first + len(run)) * size), block_size=size))
 
     def _evict(self, n: int) -> None:
-        """Make `n` more pages free by evicting the least recently released cached ones."""
-        lru, gone = self._lru, []
-        for _ in range(min(n, len(lru))):
-            page = next(iter(lru))  # (the oldest; no copy of the whole LRU per eviction)
+        """Make `n` more pages free by evicting cached ones: never reused first, then reused;
+        least recently released first within each."""
+        lru, gone, reused = self._lru, [], self._reused
+        victims = list(islice((p for p in lru if p not in reused) if reused else lru, n))
+        if len(victims) < n:  # (the reused ones too)
+            chosen = set(victims)
+            victims += islice((p for p in lru if p not in chosen), n - len(victims))
+        for page in victims:
             del lru[page]
+            reused.discard(page)
             key = self._key.pop(page)
             del self._page[key]
             gone.append(event_hash(key))
@@ -245,6 +255,7 @@ class PagePool:
 
     def _share(self, hits: Sequence[int]) -> None:
         refs, lru = self._refs, self._lru
+        self._reused.update(hits)
         for p in hits:
             if not refs[p]:
                 del lru[p]

@@ -3,7 +3,8 @@ no torch here. It is called from one thread at a time: the event loop's for the 
 the reference engine, its step thread's and the loop's, under the stepper's lock
 (tandem.engines.stepper).
 
-A sequence is admitted from the waiting queue (FIFO) only when the pool can give it pages for
+A sequence is admitted from the waiting queue (by priority, then fairly across tenants, then in
+arrival order: tandem.engines.waiting) only when the pool can give it pages for
 `max_total` tokens: its prompt's pages now, the rest promised (tandem.engines.pages), each taken
 when a decode step first writes into it, so decode never runs out of pages mid-request and no
 cached page is evicted before it must be. A step is: the running sequences that are ready to
@@ -34,12 +35,12 @@ call, not one per page: a decode step's cost stays one comparison).
 from __future__ import annotations
 
 import enum
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engines.pages import PagePool
 from tandem.engines.prefix import ROOT, page_keys
+from tandem.engines.waiting import WaitQueue
 from tandem.runtime.wire import Bootstrap, FinishReason, Load, SamplingParams, TokenLogprobs
 
 
@@ -86,6 +87,9 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens it did not compute (usage.cached_tokens)
     skip: int = 0  # decode: leading prompt pages it had cached (not written by the prefill side)
     grammar: Any = None  # constrained output: what its tokens must follow (reference/grammar.py)
+    cacheable: bool = True  # False: its K/V came from a peer that did not authenticate (keyless)
+    tenant: str = ""  # who sent it, and its priority (lower first): its place in the queue
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -137,7 +141,7 @@ class Scheduler:
         self.pool = pool
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()  # (priority, then fair across tenants: engines/waiting.py)
         self.running: dict[str, Sequence] = {}
         self.fetching: dict[str, Sequence] = {}
         self.sending: dict[str, Sequence] = {}
@@ -183,7 +187,9 @@ class Scheduler:
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
+            if self.waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
+                break
             hits = self._hits(seq)
             now, later = self._pages(seq, hits)
             if seq.pd == "decode":
@@ -194,7 +200,7 @@ class Scheduler:
             new_tokens = len(seq.prompt_ids) - len(hits) * size
             if not pool.can_take(hits, now + later) or (batch.prefill and new_tokens > budget):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
             self._admitted(seq, len(hits))
             seq.status = SeqStatus.RUNNING
@@ -209,9 +215,11 @@ class Scheduler:
         far as pages and the batch allow (what `schedule` would do first): a decode request's
         K/V can be fetched without waiting for a step boundary."""
         out: list[Sequence] = []
-        while (self.waiting and self.waiting[0].pd == "decode"
+        while (self.waiting and self.waiting.head().pd == "decode"
                and len(self.running) + len(self.fetching) < self.max_batch):
-            seq = self.waiting[0]
+            seq = self.waiting.head()
+            if self.waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
+                break
             hits = self._hits(seq)
             if not self._reserve(seq, hits, *self._pages(seq, hits)):
                 break
@@ -244,7 +252,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, hits: list[int], now: int, later: int) -> bool:
         if not self.pool.can_take(hits, now + later):
             return False
-        self.waiting.popleft()
+        self.waiting.pop(seq)
         seq.pages = [*hits, *self.pool.reserve(seq.owner, now, hits, later)]
         self._admitted(seq, len(hits))
         seq.status = SeqStatus.FETCHING
@@ -257,7 +265,7 @@ class Scheduler:
         size = self.pool.page_size
         n_full = seq.num_cached // size
         seq.publish_at = NEVER
-        if n_full <= seq.published:
+        if n_full <= seq.published or not seq.cacheable:
             return
         keys = seq.keys
         tokens = seq.prompt_ids if n_full * size <= len(seq.prompt_ids) else \
@@ -289,6 +297,7 @@ class Scheduler:
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         else:
+            self.waiting.finished(seq)
             for group in (self.running, self.fetching, self.sending):
                 if group.get(seq.owner) is seq:
                     del group[seq.owner]

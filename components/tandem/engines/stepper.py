@@ -116,8 +116,8 @@ class Stepper(StepDrivers, Engine):
         return Sequence(rid=req.rid, prompt_ids=prompt, sampling=p, grammar=self.constraint(req),
                         max_total=max_total, stop_ids=stop_ids(p, self.spec.eos_token_ids),
                         owner=f"{req.rid}#{next(self._owner_ids)}", pd=pd,
-                        bootstrap=req.bootstrap, resume=req.resume_offset,
-                        logprobs=None if p.logprobs is None else [],
+                        bootstrap=req.bootstrap, resume=req.resume_offset, tenant=req.tenant,
+                        priority=req.priority, logprobs=None if p.logprobs is None else [],
                         extras=p.logprobs is not None or adjusts_logits(p),
                         keys=page_keys(prompt, self.page_size) if self.pool.caching else [])
 
@@ -179,7 +179,7 @@ class Stepper(StepDrivers, Engine):
         seq.sink = sink
         if isinstance(seq.grammar, Deferred):  # its pages once its grammar is compiled
             self._compiles.start(seq.grammar, partial(self._admit, seq, pd),
-                                 partial(self.failed, seq), seq)
+                                 partial(self.failed, seq), seq, req.tenant)
         else:
             self._admit(seq, pd)
         return _Handle(self, seq)

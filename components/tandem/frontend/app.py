@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE or JSON; a session header or the
 `user` field is the router's conversation key), GET /v1/models and /v1/models/{id}, POST /tokenize
 and /detokenize (vLLM's shapes), /health, /metrics (Prometheus, one registry shared with the pool)
-and /workers (the pool's snapshot). Every error is an OpenAI error body.
+and /workers (the pool's snapshot; an admin endpoint, tandem.frontend.admin). Every error is an
+OpenAI error body.
 
 A request's body becomes a GenerationJob (or a /tokenize answer) in tandem.frontend.prepare, off
 the loop when it is large. Every request ends with one access line, and a summary line is logged every `--log-stats-interval` seconds
@@ -27,11 +28,13 @@ from typing import Any, Protocol
 import msgspec
 
 from tandem.config import FrontendConfig
-from tandem.frontend import schemas
+from tandem.frontend import admin, schemas
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
-                                  Send, content_length, read_body, session_of, watch_disconnect)
+                                  Send, content_length, lifespan, read_body, session_of,
+                                  watch_disconnect)
 from tandem.frontend.limits import BodyBudget
+from tandem.frontend.tenants import tenant_of
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
@@ -59,8 +62,8 @@ class Pool(Protocol):
 
     async def snapshot(self) -> list[dict[str, Any]]: ...
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> Handle: ...
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
+             tenant: str = "", priority: int = 0) -> Handle: ...
 
 
 class FrontendApp:
@@ -70,6 +73,7 @@ class FrontendApp:
     def __init__(self, config: FrontendConfig, pool: Pool, preprocessor: Preprocessor,
                  max_body_bytes: int = MAX_BODY_BYTES, registry: Registry | None = None):
         self.config = config
+        self.admin = admin.Gate(admin.read_token(config.admin_token_file))
         self.pool = pool
         self.preprocessor = preprocessor
         self.model_name = preprocessor.model_name
@@ -115,7 +119,7 @@ class FrontendApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -140,7 +144,7 @@ class FrontendApp:
             small = self._post_small.get(path)
             endpoint = path if handler or small else "other"
             if handler is not None and method in ("GET", "HEAD"):
-                await handler(ex)
+                await self.admin.serve(path, scope, ex, handler)
             elif small is not None and method == "POST":
                 await self._small(small, scope, receive, ex)
             elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
@@ -168,7 +172,9 @@ class FrontendApp:
                 raise errors.Unavailable("The server is shutting down.", retry_after=1)
             job = await self.prepare.job(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
-            handles = [self.pool.open(c.prompt_ids, c.sampling, session) for c in job.choices]
+            tenant = tenant_of(scope, job.user, self.config.tenant_by)
+            handles = [self.pool.open(c.prompt_ids, c.sampling, session, tenant, job.priority)
+                       for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)
             await ex.error(e)
@@ -277,12 +283,3 @@ class FrontendApp:
         await ex.reply(200, _encode({"workers": await self.pool.snapshot()}), JSON)
 
 
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

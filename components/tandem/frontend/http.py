@@ -56,6 +56,7 @@ _KINDS: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.BAD_REQUEST: (400, "invalid_request_error", None),
     ErrorKind.DUPLICATE: (500, "internal_error", "duplicate_request_id"),
     ErrorKind.DRAINING: (503, "service_unavailable", "service_unavailable"),
+    ErrorKind.BUSY: (503, "service_unavailable", "service_unavailable"),
     ErrorKind.FRONTEND_SILENT: (503, "service_unavailable", "service_unavailable"),
     ErrorKind.KV_TRANSFER: (502, "kv_transfer_error", "kv_transfer_failed"),
     ErrorKind.ENGINE: (500, "engine_error", None),
@@ -341,3 +342,13 @@ class watch_disconnect:
         if self._fired and task is not None and task.uncancel() == 0:
             return exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
         return False
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

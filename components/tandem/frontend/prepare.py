@@ -95,7 +95,8 @@ class Prepare:
             stream=opts.stream, include_usage=opts.include_usage,
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint)
+            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint,
+            priority=req.priority or 0)
 
     async def tokenize(self, body: bytes) -> bytes:
         """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)

@@ -5,8 +5,9 @@ Requests: every optional field may be absent or an explicit JSON `null`, which m
 ("not given": the SDK sends `n=None`, `stream=None`). Integers carry their range in the type, so
 decoding alone refuses an out-of-range number with a 400 naming the field (tandem.frontend.validate
 turns msgspec's error into it); a float that overflows (1e400) is refused the same way, and JSON
-has no NaN or Infinity. Unknown fields are ignored, as the OpenAI API ignores fields it does not
-know.
+has no NaN or Infinity. An unknown field is refused (OpenAI's behaviour; the 400 names every one,
+tandem.frontend.fields), except inside a chat message: clients send back the assistant message
+they were given, with keys of the SDK's that tandem has no use for.
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ AnyInt = Annotated[int, Meta(ge=-(2**63), le=I64)]
 # --- requests -------------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     json_schema: dict[str, Any] | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -65,6 +66,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     stream_interval: AnyInt | None = None  # tandem extension: coalesce this many tokens per chunk
     regex: str | None = None  # tandem extension: the output matches this regular expression
+    priority: AnyInt | None = None  # vLLM's: lower is served first (default 0)
 
 
 class CompletionRequest(GenerateRequest, kw_only=True):
@@ -99,7 +101,7 @@ class ChatCompletionRequest(GenerateRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's /tokenize: a completions `prompt`, or chat `messages` through the chat template."""
 
     model: str | None = None
@@ -109,7 +111,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[AnyInt]
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tandem.frontend.http import PayloadTooLarge
-from tandem.frontend import structured
+from tandem.frontend import fields, structured
 from tandem.frontend.structured import Constraint
 from tandem.frontend.schemas import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, GenerateRequest, TokenizeRequest)
@@ -53,12 +53,18 @@ _FIELD_RE = re.compile(r"required field `([^`]+)`")
 
 def decode_request(body: bytes, cls: type[R]) -> R:
     """Decode a JSON body against a request schema; any failure is a 400 naming the field when
-    there is one: a wrong type, a number out of range, a body that is not an object, invalid
-    UTF-8, or nesting too deep to decode."""
+    there is one: a field tandem does not apply (tandem.frontend.fields: every such field named),
+    a wrong type, a number out of range, a body that is not an object, invalid UTF-8, or nesting
+    too deep to decode."""
     try:
         return _decoders[cls].decode(body)
     except msgspec.ValidationError as e:
         text = str(e)
+        unknown = fields.parse_unknown(text)
+        if unknown is not None:
+            field, path = unknown
+            raise (fields.nested_refusal(text, field, path) if path else
+                   fields.refusal(body, cls, field)) from None
         m = _PATH_RE.search(text) or _FIELD_RE.search(text)
         raise errors.BadRequest(text, param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:

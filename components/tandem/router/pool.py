@@ -80,7 +80,8 @@ class WorkerPool:
         self.registry = registry if registry is not None else Registry()
         self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
             self._place, RequestHandle.release, self.router.max_queue,
-            self.router.queue_timeout_s, RETRY_AFTER_S, self.registry)
+            self.router.queue_timeout_s, RETRY_AFTER_S, self.registry,
+            lambda h: (h.tenant, h.priority))
         for a in addresses:
             self._new_link(a)
         self.kv_feeds = KvFeeds(self.policy) \
@@ -312,15 +313,16 @@ class WorkerPool:
         """A PD pair's bootstrap room: 63 random bits."""
         return int.from_bytes(self._random(8), "little") >> 1
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> RequestHandle:
-        """A request to place (`session`: its conversation key, "" for none)."""
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
+             tenant: str = "", priority: int = 0) -> RequestHandle:
+        """A request to place (`session`: its conversation key, "" for none; `tenant` and
+        `priority`: its place in the admission queue and the workers' queues)."""
         if not self.ready():
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
         h = RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
                           self.requests, self._admission.try_admit)
-        h.session = session
+        h.session, h.tenant, h.priority = session, tenant, priority
         return h
 
     async def snapshot(self) -> list[dict[str, Any]]:

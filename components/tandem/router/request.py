@@ -159,8 +159,8 @@ class Leg(Share):
 
 class RequestHandle:
     __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
-                 "options", "session", "cached_hint", "_admit", "_admit_now", "_timer", "_moving",
-                 "_left")
+                 "options", "session", "cached_hint", "tenant", "priority", "_admit", "_admit_now",
+                 "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                  admit: Callable[[RequestHandle], Awaitable[Any]], options: RequestOptions,
@@ -175,6 +175,8 @@ class RequestHandle:
         self.options = options
         self.session = ""  # the conversation it belongs to (the kv policy's preference)
         self.cached_hint = 0  # prompt tokens the policy expects its prefill worker to have cached
+        self.tenant = ""  # who sent it (tandem.frontend.tenants) and its priority (lower first)
+        self.priority = 0
         self._admit = admit
         self._admit_now = admit_now  # admit's no-wait path: placed, or None
         self._timer: asyncio.TimerHandle | None = None
@@ -234,9 +236,11 @@ class RequestHandle:
             sp = self.sampling
             sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done,
                                          min_tokens=max(0, sp.min_tokens - done))
-            msg = Generate(rid, self.prompt_ids + self.tokens, sp, bootstrap, done)
+            msg = Generate(rid, self.prompt_ids + self.tokens, sp, bootstrap, done,
+                           self.tenant, self.priority)
         else:
-            msg = Generate(rid, self.prompt_ids, self.sampling, bootstrap)
+            msg = Generate(rid, self.prompt_ids, self.sampling, bootstrap, 0, self.tenant,
+                           self.priority)
         first = Leg(self, reader, True, rid, done)
         reader.start(first, msg)
         if prefill is None:

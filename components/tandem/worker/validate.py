@@ -4,7 +4,8 @@ A frontend validates what clients send; a worker still meets bytes from any peer
 socket, so it refuses, with one reason in words, what would hurt an engine or the process: an empty
 prompt, token ids outside the model's vocabulary, sampling parameters outside the limits every
 place checks (tandem.runtime.sampling: NaN temperature, negative max_tokens or top_k, integers past
-64 bits, huge stop lists, ...), a malformed request id or bootstrap address. Every check is
+64 bits, huge stop lists, ...), a malformed request id or bootstrap address, an over-long tenant or
+a priority past 64 bits. Every check is
 O(prompt length) or less, done in C where it scans the prompt; a set of sampling parameters found
 valid is not checked again (the engine's own check of it is then a look-up).
 
@@ -20,6 +21,7 @@ from tandem.runtime.wire import Bootstrap, Generate
 
 MAX_RID_CHARS = 256
 MAX_HOST_CHARS = 255
+MAX_TENANT_CHARS = 64  # (the frontend sends a 32-character hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,10 @@ def check_generate(g: Generate, limits: Limits) -> str | None:
         why = problem[0] if problem is not None else None
     if why is None and g.bootstrap is not None:
         why = check_bootstrap(g.bootstrap)
+    if why is None and len(g.tenant) > MAX_TENANT_CHARS:
+        why = f"tenant has more than {MAX_TENANT_CHARS} characters"
+    if why is None and not -INT_MAX - 1 <= g.priority <= INT_MAX:
+        why = "priority must fit in 64 bits"
     return why
 
 

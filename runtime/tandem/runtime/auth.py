@@ -8,7 +8,10 @@ is a CURVE server with that key pair and admits only clients that present the cl
 without the secret cannot complete the handshake: it can send nothing and learns nothing, and the
 traffic it could observe is encrypted.
 
-Binding beyond loopback without keys is refused (`require_for`): a worker port reachable from a
+A process started by hand finds its keys (`resolve_keys_dir`): `--auth-keys DIR`, or the
+default directory `tandem keys init` writes without one; with neither it refuses to start unless
+`--no-auth` says, by name, that it runs keyless. Binding beyond loopback without keys is refused
+(`require_for`): a worker port reachable from a
 network must never accept unauthenticated peers. A handshake that fails is never silent: the bound
 side counts and logs it, the connecting side says why its connection dropped
 (`handshake_failure`, read from ZMQ socket monitor events by tandem.runtime.transport).
@@ -72,6 +75,32 @@ def load_keys(directory: str | os.PathLike[str]) -> ClusterKeys:
         log.warning("the cluster's secret key %s can be read by other users (mode %o): anyone "
                     "who reads it can join the cluster; `chmod 600` it", secret_file, mode)
     return ClusterKeys(public, secret)
+
+
+def default_keys_dir() -> Path:
+    """Where `tandem keys init` writes when given no directory, and where a process started
+    without --auth-keys or --no-auth looks: $XDG_CONFIG_HOME/tandem/keys (~/.config/...)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tandem" / "keys"
+
+
+def resolve_keys_dir(given: str, no_auth: bool) -> str:
+    """The key directory a `tandem worker` or `tandem frontend` uses ("" = none): --auth-keys
+    DIR; none with --no-auth, said by name; else the default directory when `tandem keys init`
+    wrote a key pair there. AuthError, saying how to give keys, otherwise."""
+    if given and no_auth:
+        raise AuthError("--no-auth and --auth-keys: choose one")
+    if given or no_auth:
+        return given
+    d = default_keys_dir()
+    if (d / f"{KEY_NAME}.key_secret").exists():
+        load_keys(d)  # (a broken key pair is an error now, not at the first socket)
+        return str(d)
+    raise AuthError(
+        f"no cluster keys: pass --auth-keys DIR (the directory `tandem keys init DIR` wrote, the "
+        f"same for every process of the cluster), or run `tandem keys init` once to write "
+        f"{d}, which tandem processes on this machine then find, or pass --no-auth to run "
+        "without authentication (loopback only: any local process may then talk to this one)")
 
 
 def is_loopback(host: str) -> bool:

@@ -93,6 +93,12 @@ class EngineRequestError(EngineError):
     kind = ErrorKind.BAD_REQUEST
 
 
+class EngineBusy(EngineError):
+    """What the request needs is held by other requests now (the grammar compiler): 503, retry."""
+
+    kind = ErrorKind.BUSY
+
+
 class CheckpointError(EngineError):
     """A model directory cannot be loaded (missing or inconsistent files)."""
 

@@ -24,7 +24,9 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # a bias value, either sign
 MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_STOP_TOKEN_IDS = 8192
-MAX_GRAMMAR_CHARS = 65536  # a json_schema or a regex: what a grammar compiler is given is bounded
+# A json_schema or a regex: ordinary shapes compile in under a second at this size; costly ones
+# are stopped by the compile deadline (perf/results/grammar_compile.md).
+MAX_GRAMMAR_CHARS = 32768
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 SEED_MAX = 2**64 - 1
 

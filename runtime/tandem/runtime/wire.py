@@ -25,8 +25,9 @@ import msgspec
 # messages of one loop pass, in one). 6: no type frame before the payload (its tag is inside).
 # 7: one form per batched message: KvRooms, KvDones and KvCancel always carry a list (a lone
 # KvRoom or KvDone no longer travels on its own). 8: `Prefills` (a decode worker fetches KV only
-# from prefill workers the frontend that sent the request announced).
-PROTOCOL_VERSION = 8
+# from prefill workers the frontend that sent the request announced). 9: a Generate's `tenant` and
+# `priority`; ErrorKind.BUSY (a version-8 peer cannot decode it).
+PROTOCOL_VERSION = 9
 # Hard cap on one frame's payload; anything larger is refused by ZMQ before we see it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -44,6 +45,7 @@ class ErrorKind(enum.IntEnum):
     FRONTEND_SILENT = 4  # the frontend owed credit and stayed silent: its requests were ended
     KV_TRANSFER = 5  # the KV handoff of a PD request failed (timeout, peer gone)
     DUPLICATE = 6  # a request id already in flight on this worker
+    BUSY = 7  # what the request needs is held by others now (the grammar compiler): retry
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -142,6 +144,10 @@ class Generate(_Msg):
     # (positions keyed for seeded draws, penalties, the mock's tokens start at this position), so
     # the rest of the completion is what an unbroken run would have produced.
     resume_offset: int = 0
+    # Who sent it (the frontend's tenant key, a hash: never the client's own key) and its
+    # priority (vLLM's: lower first): the engine's fair order (grammar compiles, admission).
+    tenant: str = ""
+    priority: int = 0
 
 
 class TokenLogprobs(_Msg):

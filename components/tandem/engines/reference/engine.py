@@ -119,6 +119,12 @@ class ReferenceEngine(Stepper):
         model = Llama.from_state_dict(cfg, state, self.device, self.dtype)
         return model, model.new_kv_cache(self.num_pages, self.page_size)
 
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        if self._grammars is not None and self._grammars.done() and \
+                self._grammars.exception() is None:
+            self._grammars.result().close()
+
     def check_prompt(self, prompt: list[int]) -> None:
         if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
             raise EngineRequestError(f"prompt has token ids outside [0, {self.spec.vocab_size})")

@@ -5,7 +5,8 @@ xgrammar, the grammar library SGLang and vLLM use; it runs on a CPU.
 special tokens marked, the model's EOS ids as the stop tokens), one compiler, and the grammars it
 compiled (up to CACHE_BYTES: a schema that requests repeat compiles once). `Grammars.constraint`
 takes a request's grammar at submit: ready from the cache, or compiled off the event loop within
-a deadline (tandem.engines.grammars); a bad one fails its request (an EngineRequestError naming
+a deadline, in fair order across clients (tandem.engines.grammars), first in a process that is
+killed past it (tandem.engines.reference.grammar_procs); a bad one fails its request (an EngineRequestError naming
 the field: the frontend's 400). What it is given is bounded: a grammar is at most
 MAX_GRAMMAR_CHARS characters (tandem.runtime.sampling, checked before), and JSON is compiled
 compact (no free whitespace, so a model cannot pad its output forever). JSON never needs a control
@@ -27,6 +28,7 @@ are refused with a grammar.
 from __future__ import annotations
 
 import json
+import threading
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,8 @@ from typing import Any
 import torch
 
 from tandem.engines.base import EngineRequest
-from tandem.engines.grammars import Deferred
+from tandem.engines.grammars import SLOTS, Deferred
+from tandem.engines.reference.grammar_procs import ProbeProcs, first_line
 from tandem.engines.sampling import grammar_param
 from tandem.runtime.errors import EngineRequestError
 
@@ -73,17 +76,21 @@ class Grammars:
         self._compiler: Any = None
         self._cache: dict[tuple[str, Any], Any] = {}  # compiled grammars, oldest first
         self._cached = 0  # their bytes
+        self._lock = threading.Lock()
+        self.probes: ProbeProcs | None = None  # the compile processes (stopped at a deadline)
         try:
             import xgrammar
         except ImportError as e:
             self.why_not = f"xgrammar is not installed ({e}): install tandem[reference]"
             return
         try:
-            self._compiler, self._no_control = _compiler(xgrammar, model_dir, vocab_size,
-                                                         stop_ids)
+            info = tokenizer_info(xgrammar, model_dir, vocab_size, stop_ids)
         except Exception as e:  # (a tokenizer it cannot read: that model has no grammars)
             self.why_not = f"the model's tokenizer cannot be used for grammars: {e}"
             return
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._no_control = _packed([not any(b < 0x20 for b in t) for t in info.decoded_vocab])
+        self.probes = ProbeProcs(info.serialize_json(), SLOTS)
         self._xgr = xgrammar
 
     def constraint(self, req: EngineRequest, engine: str) -> GrammarState | Deferred | None:
@@ -112,30 +119,45 @@ class Grammars:
             return self._matcher(compiled, param, resume)
         return Deferred(partial(self._compiled, key, resume), param)
 
-    def _compiled(self, key: tuple[str, Any], resume: list[int]) -> GrammarState:
-        """(On the compile thread.) Compile, remember, and make the request's matcher."""
+    def _compiled(self, key: tuple[str, Any], resume: list[int], deadline_s: float
+                  ) -> GrammarState:
+        """(On a compile slot's thread.) Compile in a process within `deadline_s` (killed past
+        it: tandem.engines.reference.grammar_procs), then here; remember; make the matcher."""
         param, text = key
+        if param == "json_schema":
+            try:
+                json.loads(text)  # (a clear message for JSON that does not parse)
+            except ValueError as e:
+                raise EngineRequestError(f"{param} cannot be used as a grammar: {e}",
+                                         param=param) from None
+        assert self.probes is not None
+        self.probes.probe(param, text, JSON_ANY_WHITESPACE, deadline_s, param)
         try:
             if param == "json_schema":
-                json.loads(text)  # (a clear message for JSON that does not parse)
                 compiled = self._compiler.compile_json_schema(
                     text, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True)
             else:
                 compiled = self._compiler.compile_regex(text)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise EngineRequestError(f"{param} cannot be used as a grammar: {_first_line(e)}",
+            raise EngineRequestError(f"{param} cannot be used as a grammar: {first_line(e)}",
                                      param=param) from None
-        cache = self._cache
-        cache[key] = compiled
-        self._cached += compiled.memory_size_bytes
-        while self._cached > CACHE_BYTES and len(cache) > 1:  # (the oldest first)
-            self._cached -= cache.pop(next(iter(cache))).memory_size_bytes
+        with self._lock:  # (the slots' threads)
+            cache = self._cache
+            cache[key] = compiled
+            self._cached += compiled.memory_size_bytes
+            while self._cached > CACHE_BYTES and len(cache) > 1:  # (the oldest first)
+                self._cached -= cache.pop(next(iter(cache))).memory_size_bytes
         return self._matcher(compiled, param, resume)
 
     def _matcher(self, compiled: Any, param: str, resume: list[int]) -> GrammarState:
         c = GrammarState(self._xgr.GrammarMatcher(compiled), param == "json_schema")
         c.resume(resume)
         return c
+
+    def close(self) -> None:
+        """Stop the compile processes (the engine's shutdown)."""
+        if self.probes is not None:
+            self.probes.close()
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, GrammarState]]) -> None:
         """Set the logits of every token the grammar does not allow next to -inf, for each
@@ -154,11 +176,10 @@ class Grammars:
                                         indices=[i for i, _ in rows])
 
 
-def _compiler(xgrammar: Any, model_dir: Path, vocab_size: int, stop_ids: tuple[int, ...]
-              ) -> tuple[Any, torch.Tensor]:
-    """xgrammar's compiler over the model's tokenizer.json (byte-level BPE: its special tokens
-    marked, which xgrammar's own reading of a tokenizer.json misses, its EOS ids the stop tokens),
-    and the bitmask of the tokens with no control character."""
+def tokenizer_info(xgrammar: Any, model_dir: Path, vocab_size: int, stop_ids: tuple[int, ...]
+                   ) -> Any:
+    """xgrammar's view of the model's tokenizer.json (byte-level BPE: its special tokens marked,
+    which xgrammar's own reading of a tokenizer.json misses, its EOS ids the stop tokens)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -173,10 +194,8 @@ def _compiler(xgrammar: Any, model_dir: Path, vocab_size: int, stop_ids: tuple[i
     for i, added in tok.get_added_tokens_decoder().items():
         if added.special and 0 <= i < vocab_size:
             vocab[i] = ""  # (xgrammar: an empty token is special, never part of the text)
-    info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+    return xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
                                   stop_token_ids=list(stop_ids))
-    plain = [not any(b < 0x20 for b in t) for t in info.decoded_vocab]
-    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False), _packed(plain)
 
 
 def _packed(allowed: list[bool]) -> torch.Tensor:
@@ -186,10 +205,3 @@ def _packed(allowed: list[bool]) -> torch.Tensor:
         if ok:
             words[t // 32] |= 1 << (t % 32)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    # xgrammar's messages start with "[time] file:line: "; what follows is the reason.
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line

@@ -1,0 +1,211 @@
+"""A noisy tenant and a quiet one on one mock-engine cluster: what fair admission buys the quiet
+one (README, "Priorities and fair admission"; results: perf/results/tenants.md).
+
+One aggregated mock worker (`--max-batch 16`, a decode step of 10 ms plus 0.1 ms per running
+request, prefill 20 us per token, a KV cache small enough to evict) behind one frontend
+(`--max-inflight-per-worker 32 --max-queue 64`). Tenants are API keys (`--tenant-by`'s default).
+
+- **quiet**: one request at a time (a 256-token system prompt shared by all of its requests, then
+  a 16-token question of its own; 16 tokens out, streamed), 50 ms apart;
+- **noisy**: open loop at `--load` times the cluster's capacity (measured first: requests of 32
+  tokens out, each with a 512-token prompt of its own, so its prompts fill the KV cache).
+
+Phases, each `--seconds` long: the quiet tenant alone (its unloaded TTFT), then both. Reported:
+the quiet tenant's TTFT p50/p99 alone and under load and their ratio (the target: p99 at most
+1.5x), its prefix-cache hit rate (cached prompt tokens over prompt tokens: N7, a system prompt
+evicted by another tenant's unique prompts, shows as a low rate), the noisy tenant's outcomes
+(served, 503 by reason), and Jain's fairness index over the two tenants' throughput, each
+normalised by its max-min fair share of the capacity measured in the same run.
+
+    nice -n 10 .venv/bin/python perf/streaming/bench_tenants.py --seconds 20 --runs 3
+    TANDEM_SERVER_PYTHONPATH=BASE/runtime:BASE/components .venv/bin/python perf/streaming/bench_tenants.py
+
+(the second: the servers of another checkout, BASE, under this load generator: the baseline.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from perf.common.launch import launch  # noqa: E402
+
+WORKER = ["--max-batch", "16", "--num-pages", "400", "--page-size", "16",
+          "--mock-decode-step-us", "10000", "--mock-decode-us-per-seq", "100",
+          "--mock-prefill-us-per-token", "20"]
+FRONTEND = ["--max-inflight-per-worker", "32", "--max-queue", "64", "--queue-timeout", "10"]
+SYSTEM = list(range(600, 856))  # the quiet tenant's system prompt (16 full pages)
+
+
+@dataclass
+class Outcomes:
+    ttft: list[float] = field(default_factory=list)
+    done: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+async def one(client: httpx.AsyncClient, key: str, prompt: list[int], max_tokens: int,
+              out: Outcomes) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode()
+                reason = "over_share" if "share" in text else f"http_{r.status_code}"
+                out.refused[reason] = out.refused.get(reason, 0) + 1
+                return
+            first = True
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first and chunk.get("choices"):
+                    out.ttft.append(time.perf_counter() - t0)
+                    first = False
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens += usage["prompt_tokens"]
+                    out.cached_tokens += (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens", 0)
+            out.done += 1
+    except httpx.HTTPError as e:
+        out.refused[type(e).__name__] = out.refused.get(type(e).__name__, 0) + 1
+
+
+async def quiet(client: httpx.AsyncClient, until: float, out: Outcomes) -> None:
+    i = 0
+    while time.perf_counter() < until:
+        i += 1
+        await one(client, "quiet", SYSTEM + [(7 * i + j) % 900 for j in range(16)], 16, out)
+        await asyncio.sleep(0.05)
+
+
+async def noisy(client: httpx.AsyncClient, until: float, rate: float, out: Outcomes) -> None:
+    tasks: set[asyncio.Task[None]] = set()
+    i, t = 0, time.perf_counter()
+    while t < until:
+        i += 1
+        prompt = [(i * 613 + j * 7) % 997 for j in range(512)]
+        task = asyncio.create_task(one(client, "noisy", prompt, 32, out))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        t += 1.0 / rate
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+    await asyncio.gather(*tasks)
+
+
+async def capacity(client: httpx.AsyncClient, seconds: float) -> float:
+    """Requests per second the cluster completes when kept full (64 at a time)."""
+    out = Outcomes()
+    until = time.perf_counter() + seconds
+
+    async def loop(k: int) -> None:
+        while time.perf_counter() < until:
+            await one(client, f"cap{k}", [(k * 31 + j) % 997 for j in range(512)], 32, out)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(k) for k in range(64)))
+    return out.done / (time.perf_counter() - t0)
+
+
+def q(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p * len(s)))] if s else float("nan")
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
+        cap = await capacity(client, seconds / 2)
+        alone = Outcomes()
+        t0 = time.perf_counter()
+        await quiet(client, t0 + seconds, alone)
+        alone_rate = alone.done / (time.perf_counter() - t0)
+        loud, calm = Outcomes(), Outcomes()
+        t0 = time.perf_counter()
+        until = t0 + seconds
+        await asyncio.gather(quiet(client, until, calm), noisy(client, until, load * cap, loud))
+        took = time.perf_counter() - t0
+    served = {"quiet": calm.done / took, "noisy": loud.done / took}
+    fair_quiet = min(alone_rate, cap / 2)
+    fair = {"quiet": fair_quiet, "noisy": max(cap - fair_quiet, 1e-9)}
+    return {
+        "capacity_rps": cap, "noisy_offered_rps": load * cap,
+        "quiet_alone": {"ttft_p50_ms": q(alone.ttft, 0.5) * 1e3,
+                        "ttft_p99_ms": q(alone.ttft, 0.99) * 1e3, "requests": alone.done,
+                        "cache_hit": alone.cached_tokens / max(1, alone.prompt_tokens)},
+        "quiet_loaded": {"ttft_p50_ms": q(calm.ttft, 0.5) * 1e3,
+                         "ttft_p99_ms": q(calm.ttft, 0.99) * 1e3, "requests": calm.done,
+                         "refused": calm.refused,
+                         "cache_hit": calm.cached_tokens / max(1, calm.prompt_tokens)},
+        "noisy": {"served": loud.done, "refused": loud.refused},
+        "p99_ratio": q(calm.ttft, 0.99) / q(alone.ttft, 0.99),
+        "served_rps": served, "fair_share_rps": fair,
+        "jain": jain([served[t] / fair[t] for t in served]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
+    ap.add_argument("--runs", type=int, default=3, help="runs (a fresh cluster each); medians")
+    ap.add_argument("--load", type=float, default=3.0, help="noisy load, times the capacity")
+    ap.add_argument("--out", default="", help="write the runs and medians here (JSON)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=0,
+                    help="the worker's prefill budget per step (0: not passed, the mock's own)")
+    args = ap.parse_args()
+    from tandem.engines.reference.checkpoint import write_tiny_model
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = os.path.join(tmp, "model")
+        write_tiny_model(model, seed=0)
+        for i in range(args.runs):
+            budget = ["--max-prefill-tokens", str(args.max_prefill_tokens)] \
+                if args.max_prefill_tokens else []
+            c = launch("agg", model, os.path.join(tmp, f"logs{i}"), [*WORKER, *budget], FRONTEND)
+            try:
+                runs.append(asyncio.run(run_once(c.url, args.seconds, args.load)))
+            finally:
+                c.stop()
+            print(json.dumps(runs[-1]), flush=True)
+    keys = [("quiet_alone", "ttft_p99_ms"), ("quiet_loaded", "ttft_p99_ms"), ("p99_ratio",),
+            ("quiet_alone", "cache_hit"), ("quiet_loaded", "cache_hit"), ("jain",)]
+    med = {}
+    for k in keys:
+        vals = []
+        for r in runs:
+            v: Any = r
+            for part in k:
+                v = v[part]
+            vals.append(v)
+        med[".".join(k)] = statistics.median(vals)
+    print(json.dumps({"medians": med, "load_avg": os.getloadavg()}, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"runs": runs, "medians": med, "args": vars(args),
+                       "server": os.environ.get("TANDEM_SERVER_PYTHONPATH", "this tree")}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Priorities and fair admission across tenants: the frontend's admission queue (priority first,
+then tenants in turn, a per-tenant share with 503 `tenant_over_share`), the engine's waiting
+queue (priority, then the tenant with the fewest admitted, a place of the batch kept for a newcomer
+while tenants share), the cache's eviction order (pages nobody reused go first: N7), and the
+frontend handing each request's tenant and priority on.
+
+Every ordering is observed at a deterministic point: a place frees when the test says so, and an
+engine's first step is read from the outputs it delivers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem.config import FrontendConfig
+from tandem.engines.base import EngineOutput, EngineRequest
+from tandem.engines.mock import MockEngine
+from tandem.engines.pages import PagePool
+from tandem.frontend.app import FrontendApp
+from tandem.frontend.preprocess import Preprocessor
+from tandem.frontend.tenants import parse_sources, tenant_of
+from tandem.router.admission import AdmissionQueue
+from tandem.runtime import errors
+from tandem.runtime.wire import SamplingParams
+from tests.fakes import FakePool
+
+
+class Places:
+    """A pool with `free` places: placing takes one; the test frees them."""
+
+    def __init__(self) -> None:
+        self.free = 0
+        self.placed: list[str] = []
+
+    def place(self, req: tuple[str, str, int]) -> str | None:
+        if not self.free:
+            return None
+        self.free -= 1
+        self.placed.append(req[0])
+        return req[0]
+
+
+def queue(places: Places, max_size: int = 16) -> AdmissionQueue[Any, Any]:
+    return AdmissionQueue(places.place, lambda p: None, max_size, 30.0, 1.0,
+                          who=lambda r: (r[1], r[2]))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_lower_priority_values_are_placed_first() -> None:
+    p = Places()
+    q = queue(p)
+    tasks = [asyncio.create_task(q.admit((name, "t", prio)))
+             for name, prio in [("p5", 5), ("p-1", -1), ("p0", 0), ("p0b", 0)]]
+    await settle()
+    p.free = 4
+    q.wake()
+    await asyncio.gather(*tasks)
+    assert p.placed == ["p-1", "p0", "p0b", "p5"]
+
+
+async def test_freed_places_go_to_tenants_in_turn() -> None:
+    """A tenant that queued many requests first does not hold every freed place: a quiet one's
+    request goes next (FIFO placed a1, a2, a3, then b1)."""
+    p = Places()
+    q = queue(p)
+    tasks = [asyncio.create_task(q.admit((name, name[0], 0))) for name in ("a1", "a2", "a3")]
+    await settle()
+    tasks.append(asyncio.create_task(q.admit(("b1", "b", 0))))
+    await settle()
+    for _ in range(4):
+        p.free = 1
+        q.wake()
+        await settle()
+    await asyncio.gather(*tasks)
+    assert p.placed == ["a1", "b1", "a2", "a3"]
+
+
+async def test_a_tenant_over_its_share_gets_503_and_gives_way() -> None:
+    p = Places()
+    q = queue(p, max_size=4)
+    a = [asyncio.create_task(q.admit((f"a{i}", "a", 0))) for i in range(4)]  # alone: all of it
+    await settle()
+    assert len(q) == 4
+    b = asyncio.create_task(q.admit(("b1", "b", 0)))  # full, but b is under its share (2 of 4)
+    await settle()
+    with pytest.raises(errors.Unavailable, match="more than its share of the queue") as e:
+        await a[3]  # a's last waiter made room
+    assert e.value.status == 503 and e.value.retry_after
+    with pytest.raises(errors.Unavailable, match="this client has 3 requests waiting, its share"):
+        await q.admit(("a5", "a", 0))
+    assert q.rejected.labels("tenant_over_share").value == 2
+    p.free = 4
+    q.wake()
+    await asyncio.gather(b, *a[:3])
+    assert p.placed == ["a0", "b1", "a1", "a2"]
+
+
+# --- the engine's waiting queue -------------------------------------------------------------------
+
+@pytest.fixture
+def mock_dir(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"vocab_size": 500, "max_position_embeddings": 256, "eos_token_id": 2}))
+    return str(tmp_path)
+
+
+class FirstStep:
+    def __init__(self) -> None:
+        self.steps: list[list[str]] = []
+        self.left: set[str] = set()
+        self.done = asyncio.Event()
+
+    def on_step(self, outputs: list[EngineOutput]) -> None:
+        self.steps.append([o.rid for o in outputs])
+        for o in outputs:
+            if o.finish_reason is not None:
+                self.left.discard(o.rid)
+        if not self.left:
+            self.done.set()
+
+
+async def test_the_engine_admits_by_priority_then_tenants_in_turn(mock_dir: str) -> None:
+    """Batch of 2: tenant a's four requests arrived first, then b's one, then a's urgent one
+    (priority -1). The first step runs a's urgent one and b's; FIFO ran a1 and a2."""
+    engine = MockEngine(mock_dir, page_size=4, num_pages=64, max_batch=2)
+    await engine.start()
+    sink = FirstStep()
+    try:
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        for rid, tenant, prio in [("a1", "a", 0), ("a2", "a", 0), ("a3", "a", 0), ("a4", "a", 0),
+                                  ("b1", "b", 0), ("urgent", "a", -1)]:
+            sink.left.add(rid)
+            engine.submit(EngineRequest(rid, [5, 6, 7], sp, tenant=tenant, priority=prio), sink)
+        await asyncio.wait_for(sink.done.wait(), 30)
+        assert sorted(sink.steps[0]) == ["b1", "urgent"]
+        firsts: list[str] = []
+        for step in sink.steps:
+            firsts += [r for r in step if r not in firsts]
+        assert firsts == ["urgent", "b1", "a1", "a2", "a3", "a4"]
+    finally:
+        await engine.shutdown()
+
+
+async def test_one_tenant_alone_keeps_the_whole_batch(mock_dir: str) -> None:
+    engine = MockEngine(mock_dir, page_size=4, num_pages=64, max_batch=2)
+    await engine.start()
+    sink = FirstStep()
+    try:
+        for rid in ("x1", "x2", "x3"):
+            sink.left.add(rid)
+            engine.submit(EngineRequest(rid, [5, 6, 7], SamplingParams(
+                max_tokens=3, ignore_eos=True), tenant="solo"), sink)
+        await asyncio.wait_for(sink.done.wait(), 30)
+        assert sorted(sink.steps[0]) == ["x1", "x2"]
+    finally:
+        await engine.shutdown()
+
+
+# --- eviction: a prefix others reuse outlives one tenant's unique prompts (N7) --------------------
+
+def test_unique_prompts_do_not_evict_a_reused_prefix() -> None:
+    """N7: one tenant's long unique prompts evicted another's cached system prompt (hits 1/12).
+    The system prompt's pages, taken as hits by a second request, are evicted only after every
+    page nobody reused, however many unique prompts come through."""
+    pool = PagePool(num_pages=8, page_size=4, caching=True)
+    system = [101, 102]  # the keys of the system prompt's two full pages
+
+    def run(owner: str, keys: list[int]) -> None:
+        hits = pool.match(keys, len(keys))
+        pages = pool.take(owner, hits, len(keys) - len(hits))
+        pool.publish(pages, keys, len(hits), len(keys), lambda a, b: [0] * (b - a))
+        pool.free(owner)
+
+    run("first", system + [1])
+    run("second", system + [2])  # a hit: the system prompt is reused
+    for i in range(20):  # one tenant's unique prompts, 3 pages each, over and over
+        run(f"noisy{i}", [1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i])
+    assert len(pool.match(system, 2)) == 2
+    pool.check()
+
+
+# --- the frontend hands tenant and priority on ----------------------------------------------------
+
+def test_tenant_sources_and_digests() -> None:
+    assert parse_sources("key, user,header:X-Team") == ("key", "user", "header:x-team")
+    with pytest.raises(ValueError, match="not a tenant source"):
+        parse_sources("cookie")
+    scope = {"headers": [(b"authorization", b"Bearer sk-abc"), (b"x-team", b"blue")],
+             "client": ("10.0.0.1", 1)}
+    by_key = tenant_of(scope, "alice", ("key", "user"))
+    assert len(by_key) == 32 and "sk-abc" not in by_key
+    assert tenant_of(scope, "alice", ("user", "key")) != by_key
+    assert tenant_of({"headers": [], "client": None}, "", ("key", "user")) == ""
+    assert tenant_of(scope, "", ("header:x-team",)) == tenant_of(
+        {"headers": [(b"x-team", b"blue")]}, "", ("header:x-team",))
+
+
+async def test_the_frontend_passes_tenant_and_priority(tiny_model: str) -> None:
+    pool = FakePool()
+    app = FrontendApp(FrontendConfig(model="/models/tiny", served_model_name="tiny"), pool,
+                      Preprocessor(tiny_model, "tiny"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                   "priority": -5},
+                         headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 200
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                         headers={"Authorization": "Bearer k2"})
+        assert r.status_code == 200
+    (t1, p1), (t2, p2) = pool.tenants
+    assert (p1, p2) == (-5, 0) and t1 and t2 and t1 != t2
