@@ -244,7 +244,7 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         raise KvEventsError(f"payload of {len(payload)} bytes (most: {MAX_PAYLOAD_BYTES})")
     try:  # the fast path: tandem's own form (and any with int hashes), in one typed decode
         fast = _fast_batch.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # (not only msgspec's errors: a tag of invalid UTF-8 is UnicodeDecodeError)
         pass
     else:
         for ev in fast.events:
