@@ -177,6 +177,7 @@ class FakePool:
         self.is_ready = True
         self.unavailable: errors.TandemError | None = None
         self.opened: list[tuple[list[int], SamplingParams]] = []
+        self.salts: list[str] = []  # each opened request's cache salt
         self.streams: list[FakeHandle] = []
         self.aborted: list[str] = []
         self.exited = asyncio.Event()
@@ -194,9 +195,10 @@ class FakePool:
                  "pages_free": 64, "pages_total": 64}]
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> FakeHandle:
+             session: str = "", salt: str = "") -> FakeHandle:
         if self.unavailable is not None:
             raise self.unavailable
+        self.salts.append(salt)
         self._n += 1
         rid = f"fake{self._n}"
         self.opened.append((list(prompt_ids), sampling))

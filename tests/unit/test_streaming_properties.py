@@ -116,8 +116,8 @@ class Harness:
         return self.pool.registry.render()
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> RequestHandle:
-        h = self.pool.open(prompt_ids, sampling)
+             session: str = "", salt: str = "") -> RequestHandle:
+        h = self.pool.open(prompt_ids, sampling, session, salt)
         self.streams.append(h)
         return h
 

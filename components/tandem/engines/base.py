@@ -72,6 +72,7 @@ class EngineRequest:
     # tokens an earlier leg already produced. Positions (seeded draws, min_tokens) and penalties
     # count them as output, so the continuation is what an unbroken run would have produced.
     resume_offset: int = 0
+    cache_salt: str = ""  # its prefix cache partition (tandem.engines.prefix.salt_root)
 
 
 class EngineOutput(msgspec.Struct):

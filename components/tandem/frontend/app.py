@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tandem.config import FrontendConfig
+from tandem.frontend.salt import Salter
 from tandem.frontend import schemas
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
@@ -60,7 +61,7 @@ class Pool(Protocol):
     async def snapshot(self) -> list[dict[str, Any]]: ...
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams,
-             session: str = "") -> Handle: ...
+             session: str = "", salt: str = "") -> Handle: ...
 
 
 class FrontendApp:
@@ -87,6 +88,7 @@ class FrontendApp:
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
         self.prepare = Prepare(config, preprocessor, self._max_context, lambda: pool.max_context)
+        self.salter = Salter(config.cache_salt_by)
         self.created = int(time.time())
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
@@ -168,7 +170,9 @@ class FrontendApp:
                 raise errors.Unavailable("The server is shutting down.", retry_after=1)
             job = await self.prepare.job(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
-            handles = [self.pool.open(c.prompt_ids, c.sampling, session) for c in job.choices]
+            salt = self.salter(scope["headers"], job.user, job.cache_salt)
+            handles = [self.pool.open(c.prompt_ids, c.sampling, session, salt)
+                       for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)
             await ex.error(e)

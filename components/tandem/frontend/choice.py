@@ -53,6 +53,7 @@ class GenerationJob:
     continuous_usage: bool = False  # usage in every streamed chunk
     token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
     user: str = ""  # the request's `user` (a conversation key for the router, with no header)
+    cache_salt: str | None = None  # the client's `cache_salt` (checked; tandem.frontend.salt)
     constraint: Constraint | None = None  # its output's grammar; a tool call: ToolCallState
     # What the response loop reports back, for the access log:
     rid: str = ""

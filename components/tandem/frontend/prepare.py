@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tandem.config import FrontendConfig
+from tandem.frontend.salt import check_client_salt
 from tandem.frontend import schemas, validate
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob
@@ -95,7 +96,8 @@ class Prepare:
             stream=opts.stream, include_usage=opts.include_usage,
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
-            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint)
+            token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint,
+            cache_salt=check_client_salt(req.cache_salt))
 
     async def tokenize(self, body: bytes) -> bytes:
         """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)

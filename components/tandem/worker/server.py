@@ -271,7 +271,8 @@ class WorkerServer:
             transport.refused("worker", "bootstrap not announced", log, f"{b.host}:{b.port}")
             return refuse(ErrorKind.BAD_REQUEST, f"prefill bootstrap {b.host}:{b.port} is not "
                           "one this frontend announced (Prefills)")
-        req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap, msg.resume_offset)
+        req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap, msg.resume_offset,
+                            msg.cache_salt)
         try:
             handle = self.engine.submit(req, self)
         except EngineError as e:

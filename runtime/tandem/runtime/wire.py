@@ -142,6 +142,9 @@ class Generate(_Msg):
     # (positions keyed for seeded draws, penalties, the mock's tokens start at this position), so
     # the rest of the completion is what an unbroken run would have produced.
     resume_offset: int = 0
+    # Its prefix cache partition: pages of requests with different salts are never shared (""
+    # none). The frontend sends a digest, never a tenant's value in clear.
+    cache_salt: str = ""
 
 
 class TokenLogprobs(_Msg):
