@@ -178,6 +178,7 @@ class FakePool:
         self.tenants: list[tuple[str, int]] = []  # (tenant, priority) of each open()
         self.unavailable: errors.TandemError | None = None
         self.opened: list[tuple[list[int], SamplingParams]] = []
+        self.salts: list[str] = []  # each opened request's cache salt
         self.streams: list[FakeHandle] = []
         self.aborted: list[str] = []
         self.exited = asyncio.Event()
@@ -195,10 +196,11 @@ class FakePool:
                  "pages_free": 64, "pages_total": 64}]
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
-             tenant: str = "", priority: int = 0) -> FakeHandle:
+             tenant: str = "", priority: int = 0, salt: str = "") -> FakeHandle:
         self.tenants.append((tenant, priority))
         if self.unavailable is not None:
             raise self.unavailable
+        self.salts.append(salt)
         self._n += 1
         rid = f"fake{self._n}"
         self.opened.append((list(prompt_ids), sampling))

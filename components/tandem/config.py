@@ -29,7 +29,7 @@ import msgspec
 
 from tandem.converters import (
     address_list, admin_token_file, key_dir, model_dir, non_negative_float, non_negative_int,
-    port, port_or_zero, positive_float, positive_int, tenant_sources,
+    port, port_or_zero, positive_float, positive_int, salt_source, tenant_sources,
 )
 from tandem.engines.sglang_cpu import DEVICE_HELP
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
@@ -305,6 +305,12 @@ class FrontendConfig(Common):
     log_stats_interval_s: float = opt(10.0, "seconds between the one-line throughput and queue "
                                       "summaries in the log (0 = none)",
                                       flag="--log-stats-interval", type=non_negative_float)
+    cache_salt_by: str = opt("none", "partition the prefix cache by tenant without the client's "
+                             "help: none, user (the body's user), api-key (the Authorization "
+                             "header's bearer token) or header:NAME (that header's value); a "
+                             "request hits only cached prefixes of its own tenant (and of its "
+                             "own cache_salt). The value is hashed, never sent or logged in "
+                             "clear", type=salt_source, metavar="none|user|api-key|header:NAME")
     max_connections: int = opt(10_000, "most open HTTP connections; one past it gets 503 and is "
                                "closed at once (uvicorn)", type=positive_int)
     max_connections_per_client: int = opt(0, "most open HTTP connections from one client "

@@ -126,3 +126,15 @@ def gpu_list(text: str) -> tuple[str, ...]:
     if twice:
         raise ValueError(f"GPU {', '.join(twice)} is listed twice")
     return ids
+
+
+def salt_source(text: str) -> str:
+    """`--cache-salt-by` (tandem.frontend.salt): none, user, api-key or header:NAME (the name
+    lower-cased)."""
+    if text in ("none", "user", "api-key"):
+        return text
+    name = text[len("header:"):].strip() if text.startswith("header:") else ""
+    if name and all(c.isalnum() or c in "-_" for c in name):
+        return "header:" + name.lower()
+    raise ValueError(f"{text!r}: expected none, user, api-key or header:NAME (NAME a header "
+                     "name: letters, digits, - and _)")

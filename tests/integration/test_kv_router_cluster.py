@@ -1,7 +1,9 @@
 """The kv policy on a live cluster: two mock workers publish their KV events, the frontend's
 index follows them (visible in /workers), and a request whose long prefix one worker holds goes
 to that worker even when the other is idler by request count; a worker with --no-kv-events is
-routed on an approximate index, and /workers says so."""
+routed on an approximate index, and /workers says so. Cache isolation (issue 38, N3): a probe
+with another cache_salt (or, with --cache-salt-by user, as another user) finds nothing cached
+and is not routed to the holder by prediction; the same salt hits."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from typing import Any
 PREFIX = list(range(100, 400))  # 300 tokens: 18 full pages of 16
 
 
-def complete(url: str, prompt: list[int], session: str = "") -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+def complete(url: str, prompt: list[int], session: str = "", **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True, **extra}
     headers = {"Content-Type": "application/json"}
     if session:
         headers["X-Session-ID"] = session
@@ -78,3 +80,29 @@ def test_each_frontend_keeps_its_own_index_from_the_same_streams(make_cluster: A
         assert usage["prompt_tokens_details"]["cached_tokens"] == 288
     finally:
         first.stop()  # (the cluster stops the second)
+
+
+def cached(out: dict[str, Any]) -> int:
+    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_probe_with_another_salt_finds_nothing_and_is_not_routed_to_the_holder(
+        make_cluster: Any) -> None:
+    c = make_cluster("mock", workers=2, frontend_args=["--router-policy", "kv",
+                                                       "--kv-predict-ttl", "0"])
+    assert cached(complete(c.url, PREFIX + [1, 2, 3], cache_salt="victim")) == 0
+    wait_for(lambda: max(w["kv_index_blocks"] for w in c.worker_states()) >= 18)
+    assert cached(complete(c.url, PREFIX + [1, 2, 3])) == 0  # the attacker's probes: no salt,
+    for q in range(3):  # and other salts (each probe once: a second would hit its own first)
+        assert cached(complete(c.url, PREFIX + [1, 2, 3], cache_salt=f"probe{q}")) == 0
+    assert all(w["kv_predicted_cached_tokens"] == 0 for w in c.worker_states())
+    assert cached(complete(c.url, PREFIX + [4], cache_salt="victim")) == 288  # its own: a hit
+    c.assert_idle()
+
+
+def test_cache_salt_by_user_partitions_without_the_clients_help(make_cluster: Any) -> None:
+    c = make_cluster("mock", workers=1, frontend_args=["--cache-salt-by", "user"])
+    assert cached(complete(c.url, PREFIX + [1], user="alice")) == 0
+    assert cached(complete(c.url, PREFIX + [2], user="mallory")) == 0
+    assert cached(complete(c.url, PREFIX + [3], user="alice")) == 288
+    c.assert_idle()

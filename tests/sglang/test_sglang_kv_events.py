@@ -38,7 +38,8 @@ def sglang_batch(i: int) -> object:
 
 
 def want(i: int) -> list[object]:
-    return [BlockStored([-i - 1], None if i == 0 else -i, PAGE, 16, None, "GPU"),
+    return [BlockStored([-i - 1], None if i == 0 else -i, PAGE, 16, None, "GPU", None,
+                        "salt"),  # (SGLang's cache_salt, carried: a router roots keys at it)
             BlockRemoved([-i - 1], "CPU_PINNED"), AllBlocksCleared()]
 
 

@@ -177,7 +177,10 @@ def _non_default(flag: flags.Flag, tmp_path: Path) -> Any:
         return d + 3
     if isinstance(d, float):
         return d + 1.5
-    return "x-" + flag.dest
+    return SAMPLES.get(flag.dest, "x-" + flag.dest)
+
+
+SAMPLES = {"cache_salt_by": "header:x-tenant"}  # (text fields with a format of their own)
 
 
 def _config_value(cfg: Any, flag: flags.Flag) -> Any:

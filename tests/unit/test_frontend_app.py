@@ -172,7 +172,8 @@ async def test_completions_streamed_and_not(pre: Preprocessor) -> None:
     # vLLM's fields tandem does not apply; every one named at once.
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_token": 3}', 400,
      "max_token"),
-    (COMPLETIONS, b'{"prompt": "x", "cache_salt": "s", "made_up": 1}', 400, "cache_salt,made_up"),
+    (COMPLETIONS, b'{"prompt": "x", "prompt_cache_key": "s", "made_up": 1}', 400,
+     "prompt_cache_key,made_up"),
     (COMPLETIONS, b'{"prompt": "x", "stream": true, "stream_options": {"include_usag": true}}',
      400, "stream_options.include_usag"),
     (TOKENIZE, b'{"prompt": "x", "return_token_strs": true}', 400, "return_token_strs"),

@@ -1,7 +1,7 @@
 """The KV event publisher (tandem.worker.kv_events) and a router's feed (tandem.router.kv_feed) on
 memory channels (tandem.runtime.frames), no sockets: every message crosses the format's frames
 both ways, as WorkerLink's tests run on memory channels. A worker's publisher into a frontend's
-index, a gap the replay repairs, and a batch a full subscriber refused."""
+index, a gap the replay repairs, and a batch a full subscriber missed (alone)."""
 
 from __future__ import annotations
 
@@ -96,14 +96,17 @@ async def test_a_workers_events_reach_a_routers_index_through_the_frames() -> No
         assert pub.counts.batches_published == 3 and pub.counts.replay_requests == 1
 
 
-async def test_a_batch_a_full_subscriber_refused_is_replayed_to_it() -> None:
+async def test_a_full_subscriber_misses_a_batch_alone_and_gets_it_by_replay() -> None:
     worker = Worker(bound=1)
     async with publishing(worker) as pub:
-        sub = worker.live.subscribe(SUBSCRIBED)  # a subscriber that does not read (yet)
+        slow = worker.live.subscribe(SUBSCRIBED)  # a subscriber that does not read (yet)
+        quick = worker.live.subscribe(SUBSCRIBED)
         pub.publish(page(0))
-        pub.publish(page(1))  # its queue is full: nobody gets batch 1
-        assert (pub.counts.batches_published, pub.counts.batches_dropped) == (1, 1)
-        assert pub.next_seq == 2  # its seq is spent: a consumer sees the gap
+        assert [b.seq for b in quick.received()] == [0]
+        pub.publish(page(1))  # slow's queue is full: it misses batch 1, quick does not
+        assert [b.seq for b in quick.received()] == [1]
+        assert [b.seq for b in slow.received()] == [0]
+        assert (pub.counts.batches_published, pub.counts.batches_dropped) == (2, 0)
         asker = worker.replay.connect(b"late")
         asker.send_nowait(1)
         got: list[ReplayBatch | None] = []
@@ -115,7 +118,8 @@ async def test_a_batch_a_full_subscriber_refused_is_replayed_to_it() -> None:
         assert [g.seq if g else None for g in got] == [1, None]
         assert got[0] is not None and got[0].batch.events == page(1)
         assert pub.counts.batches_replayed == 1
-        sub.close()
+        slow.close()
+        quick.close()
 
 
 async def test_a_gap_on_the_live_stream_is_filled_by_replay_into_the_index() -> None:

@@ -41,7 +41,8 @@ def test_tandem_batches_round_trip_and_have_the_published_shape() -> None:
     assert (ts, rank) == (1700000000.5, 0)
     assert events[0] == {"type": "BlockStored", "block_hashes": [11, 12],
                          "parent_block_hash": None, "token_ids": TOKENS, "block_size": 16,
-                         "lora_id": None, "medium": None, "lora_name": None}
+                         "lora_id": None, "medium": None, "lora_name": None,
+                         "cache_salt": None}
     assert events[2] == {"type": "BlockRemoved", "block_hashes": [11], "medium": None}
     assert events[3] == {"type": "AllBlocksCleared"}
 
@@ -249,7 +250,8 @@ def test_sglang_payloads_decode() -> None:
                                    session_id="x"), SglStored([2], signed, page, 16, None),
                          SglRemoved([signed, 2], "GPU"), SglCleared()], 0)
     assert decode_batch(msgspec.msgpack.encode(new)) == EventBatch(5.0, [
-        BlockStored([signed], None, page, 16, None, "GPU"), BlockStored([2], signed, page, 16),
+        BlockStored([signed], None, page, 16, None, "GPU", None, "s"),  # (its salt, carried)
+        BlockStored([2], signed, page, 16),
         BlockRemoved([signed, 2], "GPU"), AllBlocksCleared()], 0)
     old = SglOldBatch(6.0, [SglOldStored([3], None, page, 16, None), SglOldRemoved([3])], 2)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old))[1][0] == [

@@ -5,6 +5,7 @@ replay socket when it sees a gap, both decoded by tandem.runtime.kv_events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -126,48 +127,59 @@ async def test_a_replay_from_a_batch_no_longer_buffered_starts_at_the_oldest() -
         assert p.next_seq == 10
 
 
-async def test_a_full_subscriber_queue_drops_batches_counted_and_replay_recovers_them() -> None:
-    async for p in publisher(hwm=1):
-        sub = subscriber(p, rcvhwm=1)
+async def test_a_subscriber_that_stops_reading_misses_batches_alone_and_replay_recovers_them(
+) -> None:
+    async for p in publisher(hwm=4):
+        slow, quick = subscriber(p, rcvhwm=1), subscriber(p)
         try:
-            first = await joined(p, sub)
-            # The subscriber stops reading: its queue (and the TCP buffers) fill, then the PUB
-            # socket refuses a batch instead of blocking.
+            async with asyncio.timeout(DEADLINE):  # until both have joined, each batch read
+                heard = {slow: -1, quick: -1}
+                while min(heard.values()) < 0 or heard[slow] != heard[quick]:
+                    first = p.next_seq
+                    p.publish(events(first))
+                    for sub in heard:
+                        with contextlib.suppress(TimeoutError):
+                            while True:  # (all it holds)
+                                heard[sub] = decode_live(
+                                    await asyncio.wait_for(sub.recv_multipart(), 0.05)).seq
+            # The slow subscriber stops reading; 200 batches of ~250 KB (far more than its
+            # queues and the TCP buffers hold): it misses some, the reading one none, and the
+            # publisher neither blocks nor refuses.
             big = [BlockStored(block_hashes=[7], parent_block_hash=None,
                                token_ids=[70_000] * 50_000, block_size=50_000)]
-            tries = 0
             async with asyncio.timeout(DEADLINE * 3):
-                while p.counts.batches_dropped == 0:
+                for i in range(200):
                     p.publish(big)
-                    tries += 1
-                    await asyncio.sleep(0)  # (ZMQ's I/O thread moves bytes meanwhile)
-            counts = p.counts
-            assert (counts.batches_published, counts.batches_dropped) == (first + tries, 1)
-            dropped = p.next_seq - 1
-            async with asyncio.timeout(DEADLINE):
-                # It reads again: every batch before the dropped one, in order...
-                seen = [decode_live(await sub.recv_multipart()).seq for _ in range(tries - 1)]
-                assert seen == list(range(first + 1, dropped))
-                while p.counts.batches_published == first + tries:  # (room again, once read)
-                    p.publish(events(dropped + 1))
-                    await asyncio.sleep(0)
-                # ...then the next one: a gap, which replay fills.
-                nxt = decode_live(await sub.recv_multipart()).seq
+                    while (seq := decode_live(await quick.recv_multipart()).seq) < first + 1 + i:
+                        pass  # (a batch of the joining it had not read yet)
+                    assert seq == first + 1 + i
+            last = first + 200
+            assert p.counts.batches_dropped == 0
+            assert p.counts.batches_published == p.next_seq == last + 1
+            async with asyncio.timeout(DEADLINE):  # it reads again: a gap, which replay fills
+                seen = [-1]
+                while seen[-1] <= last:  # (what it holds, then batches published from now on)
+                    p.publish(events(p.next_seq))
+                    with contextlib.suppress(TimeoutError):
+                        while True:
+                            seen.append(decode_live(
+                                await asyncio.wait_for(slow.recv_multipart(), 0.05)).seq)
+            seen = seen[1:]
         finally:
-            sub.close()
-        assert nxt > dropped
+            slow.close()
+            quick.close()
+        missed = sorted(set(range(first + 1, seen[-1])) - set(seen))
+        assert missed and seen == sorted(seen)
         d = actx().socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.connect(p.replay_addr)
         try:
-            await d.send_multipart(replay_request(dropped))
+            await d.send_multipart(replay_request(missed[0]))
+            got = []
             async with asyncio.timeout(DEADLINE):
-                item = decode_replay(await d.recv_multipart())
-                assert item is not None and (item.seq, item.batch.events) == (dropped, big)
-                rest = []
                 while (item := decode_replay(await d.recv_multipart())) is not None:
-                    rest.append(item.seq)
-            assert rest == list(range(dropped + 1, nxt + 1))
+                    got.append(item.seq)
+            assert got == list(range(missed[0], p.next_seq))
         finally:
             d.close()
 

@@ -60,9 +60,9 @@ def test_unknown_fields_are_refused_by_name() -> None:
 
 
 def test_every_refused_field_is_named_with_its_reason() -> None:
-    err = bad(completion, cache_salt="a", temperature=0, made_up=1, use_beam_search=True)
-    assert err.param == "cache_salt,made_up,use_beam_search"
-    assert "`cache_salt`: not supported yet" in err.message
+    err = bad(completion, prompt_cache_key="a", temperature=0, made_up=1, use_beam_search=True)
+    assert err.param == "prompt_cache_key,made_up,use_beam_search"
+    assert "`prompt_cache_key`: not supported" in err.message
     assert "`made_up`: unknown field;" in err.message
     assert "`use_beam_search`: beam search is not supported" in err.message
     assert err.message.startswith("Unrecognized request arguments supplied: ")

@@ -116,8 +116,8 @@ class Harness:
         return self.pool.registry.render()
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
-             tenant: str = "", priority: int = 0) -> RequestHandle:
-        h = self.pool.open(prompt_ids, sampling, session, tenant, priority)
+             tenant: str = "", priority: int = 0, salt: str = "") -> RequestHandle:
+        h = self.pool.open(prompt_ids, sampling, session, tenant, priority, salt)
         self.streams.append(h)
         return h
 

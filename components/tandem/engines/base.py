@@ -74,6 +74,7 @@ class EngineRequest:
     resume_offset: int = 0
     tenant: str = ""  # who sent it (wire.Generate): the engine's fair order across clients
     priority: int = 0  # lower first (vLLM's convention)
+    cache_salt: str = ""  # its prefix cache partition (tandem.engines.prefix.salt_root)
 
 
 class EngineOutput(msgspec.Struct):

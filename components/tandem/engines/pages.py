@@ -129,33 +129,35 @@ class PagePool:
         return num_new <= len(self._free) + len(lru) - pinned - self.num_promised
 
     def publish(self, pages: Sequence[int], keys: Sequence[int], start: int, end: int,
-                tokens: Callable[[int, int], list[int]]) -> None:
+                tokens: Callable[[int, int], list[int]], salt: str = "") -> None:
         """Pages `pages[start:end]` are full and computed: cache them under `keys[start:end]`. A
         key already cached (another request computed the same prefix) keeps its page; ours stays
-        private. `tokens(a, b)` gives the sequence's ids [a, b) (for the event)."""
+        private. `tokens(a, b)` gives the sequence's ids [a, b) (for the event); `salt`, its
+        cache salt (its first page's event carries it)."""
         page_of, key_of = self._page, self._key
         run: list[int] = []
         first = start
         for i in range(start, end):
             page, key = pages[i], keys[i]
             if key in page_of or page in key_of:
-                self._stored(run, keys, first, tokens)
+                self._stored(run, keys, first, tokens, salt)
                 run, first = [], i + 1
                 continue
             page_of[key] = page
             key_of[page] = key
             run.append(key)
-        self._stored(run, keys, first, tokens)
+        self._stored(run, keys, first, tokens, salt)
 
     def _stored(self, run: list[int], keys: Sequence[int], first: int,
-                tokens: Callable[[int, int], list[int]]) -> None:
+                tokens: Callable[[int, int], list[int]], salt: str) -> None:
         if not run or not self.recording:
             return
         size = self.page_size
         self._events.append(BlockStored(
             block_hashes=[event_hash(k) for k in run],
             parent_block_hash=event_hash(keys[first - 1]) if first else None,
-            token_ids=tokens(first * size, (first + len(run)) * size), block_size=size))
+            token_ids=tokens(first * size, (first + len(run)) * size), block_size=size,
+            cache_salt=salt or None if not first else None))
 
     def _evict(self, n: int) -> None:
         """Make `n` more pages free by evicting cached ones: never reused first, then reused;

@@ -8,6 +8,10 @@ is a cryptographic hash wide enough that finding a collision is out of reach. A 
 non-negative Python int below 2**128. What leaves the process in a KV event is `event_hash`, the
 key's top 64 bits as a signed integer (the format's block hashes are 64-bit), an identity for
 parent links and removals only: routers recompute their own keys from the token ids.
+
+A request's cache salt (`cache_salt`: the client's, or the one its frontend derives per tenant)
+gives its sequence its own root (`salt_root`): the first page's parent key is the salt's hash, so
+pages of requests with different salts never share a key, and never a cached page.
 """
 
 from __future__ import annotations
@@ -16,10 +20,18 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-__all__ = ["ROOT", "event_hash", "page_keys"]
+__all__ = ["ROOT", "event_hash", "page_keys", "salt_root"]
 
 ROOT = 0  # the parent key of a sequence's first page
 _KEY_BYTES = 16
+
+
+def salt_root(salt: str) -> int:
+    """The parent key of the first page of a sequence salted with `salt` (ROOT: no salt)."""
+    if not salt:
+        return ROOT
+    digest = blake2b(b"tandem cache salt\0" + salt.encode(), digest_size=_KEY_BYTES).digest()
+    return int.from_bytes(digest, "little")
 
 
 def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT, start: int = 0,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engines.pages import PagePool
-from tandem.engines.prefix import ROOT, page_keys
+from tandem.engines.prefix import page_keys, salt_root
 from tandem.engines.waiting import WaitQueue
 from tandem.runtime.wire import Bootstrap, FinishReason, Load, SamplingParams, TokenLogprobs
 
@@ -83,6 +83,7 @@ class Sequence:
     cancelled: bool = False  # by its handle: not even an output a step already made goes out
     handoff: Any = None  # PD: its handoff state (tandem.engines.handoff), while the handoff runs
     keys: list[int] = field(default_factory=list)  # prefix cache keys of its leading full pages
+    salt: str = ""  # its cache salt: its first page's key is rooted at it (tandem.engines.prefix)
     published: int = 0  # leading pages cached (or found cached) so far
     cached_tokens: int = 0  # prompt tokens it did not compute (usage.cached_tokens)
     skip: int = 0  # decode: leading prompt pages it had cached (not written by the prefill side)
@@ -271,8 +272,10 @@ class Scheduler:
         tokens = seq.prompt_ids if n_full * size <= len(seq.prompt_ids) else \
             seq.prompt_ids + seq.output_ids
         if len(keys) < n_full:
-            keys += page_keys(tokens, size, keys[-1] if keys else ROOT, len(keys), n_full)
-        self.pool.publish(seq.pages, keys, seq.published, n_full, lambda a, b: tokens[a:b])
+            keys += page_keys(tokens, size, keys[-1] if keys else salt_root(seq.salt), len(keys),
+                              n_full)
+        self.pool.publish(seq.pages, keys, seq.published, n_full, lambda a, b: tokens[a:b],
+                          seq.salt)
         seq.published = n_full
 
     def to_sending(self, seq: Sequence) -> None:

@@ -100,6 +100,8 @@ def generate_kwargs(req: EngineRequest, srid: str, *, deterministic: bool) -> di
     if req.bootstrap is not None:
         kw.update(bootstrap_host=req.bootstrap.host, bootstrap_port=req.bootstrap.port,
                   bootstrap_room=req.bootstrap.room)
+    if req.cache_salt:  # SGLang's own per-request partition of its prefix cache
+        kw["cache_salt"] = req.cache_salt
     return kw
 
 

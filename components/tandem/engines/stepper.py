@@ -33,7 +33,7 @@ from tandem.engines.grammars import Compiles, Deferred
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
 from tandem.engines.pages import PagePool
-from tandem.engines.prefix import page_keys
+from tandem.engines.prefix import page_keys, salt_root
 from tandem.engines.steps import StepDrivers
 from tandem.runtime.wire import FinishReason, Load, OutputMode, TokenLogprobs
 
@@ -119,7 +119,9 @@ class Stepper(StepDrivers, Engine):
                         bootstrap=req.bootstrap, resume=req.resume_offset, tenant=req.tenant,
                         priority=req.priority, logprobs=None if p.logprobs is None else [],
                         extras=p.logprobs is not None or adjusts_logits(p),
-                        keys=page_keys(prompt, self.page_size) if self.pool.caching else [])
+                        salt=req.cache_salt,
+                        keys=page_keys(prompt, self.page_size, salt_root(req.cache_salt))
+                        if self.pool.caching else [])
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -29,6 +29,7 @@ import msgspec
 
 from tandem.config import FrontendConfig
 from tandem.frontend import admin, schemas
+from tandem.frontend.salt import Salter
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
                                   Send, content_length, lifespan, read_body, session_of,
@@ -63,7 +64,7 @@ class Pool(Protocol):
     async def snapshot(self) -> list[dict[str, Any]]: ...
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
-             tenant: str = "", priority: int = 0) -> Handle: ...
+             tenant: str = "", priority: int = 0, salt: str = "") -> Handle: ...
 
 
 class FrontendApp:
@@ -91,6 +92,7 @@ class FrontendApp:
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
         self.prepare = Prepare(config, preprocessor, self._max_context, lambda: pool.max_context)
+        self.salter = Salter(config.cache_salt_by)
         self.created = int(time.time())
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
@@ -173,7 +175,9 @@ class FrontendApp:
             job = await self.prepare.job(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
             tenant = tenant_of(scope, job.user, self.config.tenant_by)
-            handles = [self.pool.open(c.prompt_ids, c.sampling, session, tenant, job.priority)
+            salt = self.salter(scope["headers"], job.user, job.cache_salt)
+            handles = [self.pool.open(c.prompt_ids, c.sampling, session, tenant, job.priority,
+                                      salt)
                        for c in job.choices]
         except errors.TandemError as e:  # refused before anything was sent to a worker
             m.error(e.type)

@@ -54,6 +54,7 @@ class GenerationJob:
     token: api.TokenTexts | None = None  # token id -> (text, bytes), for logprobs
     user: str = ""  # the request's `user` (a conversation key for the router, with no header)
     priority: int = 0  # lower first (vLLM's): its place in the queues
+    cache_salt: str | None = None  # the client's `cache_salt` (checked; tandem.frontend.salt)
     constraint: Constraint | None = None  # its output's grammar; a tool call: ToolCallState
     # What the response loop reports back, for the access log:
     rid: str = ""

@@ -25,9 +25,7 @@ from tandem.runtime import errors
 _GUIDED = "not supported: use response_format (json_schema) or regex"
 _TEMPLATE = "not supported: the server's chat template is applied as it is"
 NOT_APPLIED: dict[str, str] = {
-    # vLLM and OpenAI: cache isolation (the prefix cache is shared by every request for now).
-    "cache_salt": "not supported yet: the prefix cache is not partitioned per salt, so a salt "
-                  "would give no isolation; send the request without it",
+    # OpenAI: cache routing (tandem honours vLLM's cache_salt for isolation).
     "prompt_cache_key": "not supported: tandem's prefix cache needs no key",
     # vLLM's sampling extensions tandem does not have.
     "use_beam_search": "beam search is not supported",

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from tandem.config import FrontendConfig
+from tandem.frontend.salt import check_client_salt
 from tandem.frontend import schemas, validate
 from tandem.frontend.preprocess import Preprocessor
 from tandem.frontend.respond import ChoiceSpec, GenerationJob
@@ -96,7 +97,7 @@ class Prepare:
             interval=req.stream_interval or self.config.stream_interval, t0=t0, choices=choices,
             logprobs=opts.logprobs, continuous_usage=opts.continuous_usage and opts.stream,
             token=pre.detokenizers.token, user=req.user or "", constraint=opts.constraint,
-            priority=req.priority or 0)
+            priority=req.priority or 0, cache_salt=check_client_salt(req.cache_salt))
 
     async def tokenize(self, body: bytes) -> bytes:
         """vLLM's /tokenize: `prompt` (special tokens added unless `add_special_tokens` is false)

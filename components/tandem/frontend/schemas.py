@@ -57,6 +57,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     n: AnyInt | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: the prefix cache partition (tandem.frontend.salt)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -11,9 +11,11 @@ for bit; if they did not, every overlap would be 0 and the `kv` policy would rou
 little endian) and the page's token ids as little-endian signed 64-bit integers: deterministic
 across processes, platforms and Python versions (unlike `hash()`), and 64 bits are plenty for a
 key whose collision costs a misplaced request, never wrong output (the engines key their own
-caches with 128 bits, tandem.engines.prefix). A sequence's first page chains from `ROOT`; a salt
-that keeps tenants' prefixes apart would give each its own root (`chain(ROOT, salt ids)`, passed
-as `parent`), the one change both sides need.
+caches with 128 bits, tandem.engines.prefix). A sequence's first page chains from `ROOT`, or,
+for a request with a cache salt, from the salt's own root (`salt_root`), passed as `parent` on
+both sides: the prompt's (the policies, from the request's salt) and the events' (a BlockStored
+with no parent carries its sequence's `cache_salt`), so requests with different salts never
+share a key and the router never predicts a hit across salts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Protocol
 from tandem.runtime.wire import Load
 
 __all__ = ["ROOT", "Candidate", "Placement", "Policy", "block_keys", "chain", "least_loaded",
-           "load_key"]
+           "load_key", "salt_root"]
 
 ROOT = 0  # the parent key of a sequence's first page
 _KEY_BYTES = 8
@@ -36,6 +38,15 @@ _KEY_BYTES = 8
 def chain(parent: int, tokens: Sequence[int]) -> int:
     """The key of a page whose tokens are `tokens` and whose parent page's key is `parent`."""
     digest = blake2b(parent.to_bytes(_KEY_BYTES, "little") + array("q", tokens).tobytes(),
+                     digest_size=_KEY_BYTES).digest()
+    return int.from_bytes(digest, "little")
+
+
+def salt_root(salt: str | None) -> int:
+    """The parent key of the first page of a sequence salted with `salt` (ROOT: none)."""
+    if not salt:
+        return ROOT
+    digest = blake2b(b"tandem cache salt\0" + salt.encode("utf-8", "surrogatepass"),
                      digest_size=_KEY_BYTES).digest()
     return int.from_bytes(digest, "little")
 
@@ -85,14 +96,15 @@ class Placement:
 
 class Policy(Protocol):
     """Which of the candidates of one role (all can take the request, in the pool's stable order)
-    serves it. `session`: the request's conversation key ("" for none). `served` is told the
+    serves it. `session`: the request's conversation key ("" for none); `salt`: its cache salt
+    ("" for none: a policy that keys prefixes roots them at `salt_root(salt)`). `served` is told the
     placement the pool made; `forget` that a worker left."""
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Placement: ...
+               page_size: int, session: str = "", salt: str = "") -> Placement: ...
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
-               session: str = "") -> None: ...
+               session: str = "", salt: str = "") -> None: ...
 
     def forget(self, address: str) -> None: ...
 

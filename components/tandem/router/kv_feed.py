@@ -6,11 +6,17 @@ docstring of tandem.router.kv_index what a gap does to the index). Both are chan
 runs on memory ends in tests as it runs on sockets.
 
 A feed is a task the pool owns (started when the worker says hello with an event address, ended
-when it leaves or the pool closes). Every frame is untrusted: one that does not decode is dropped
-by the channel's receive loop, counted (`bad`, and in `transport.bad_messages`) and logged
-rate-limited; a replay has a deadline (`REPLAY_TIMEOUT_S`) and a cap on its batches, and a replay
-that fails is a replay that returned nothing (the index starts over if it must). Events are
-applied on the event loop as they arrive: one batch per engine step per worker.
+when it leaves or the pool closes). Every frame is untrusted: one that does not decode, whatever
+is wrong with it, is dropped by the channel's receive loop, counted (`bad`, and in
+`transport.bad_messages`) and logged rate-limited; a replay has a deadline (`REPLAY_TIMEOUT_S`)
+and a cap on its batches, and a replay that fails is a replay that returned nothing (the index
+starts over if it must). Events are applied on the event loop as they arrive: one batch per engine
+step per worker.
+
+Feeds are supervised (`KvFeeds`): a feed that ends or dies (a bug, a socket error) is logged,
+counted (`restarts`, `tandem_router_kv_feed_restarts_total`) and started again after a backoff
+(`RESTART_MIN_S`, doubling to `RESTART_MAX_S`; back to the least after a feed that ran
+`RESTART_RESET_S`), with a fresh index: the worker's index never freezes on one bad moment.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from tandem.runtime.metrics import Registry
 log = logging.getLogger("tandem.router")
 
 REPLAY_TIMEOUT_S = 5.0
+RESTART_MIN_S = 0.1  # a dead feed's first backoff; it doubles per restart in a row
+RESTART_MAX_S = 10.0
+RESTART_RESET_S = 60.0  # a feed that ran this long restarts after the least backoff again
 MAX_REPLAY_BATCHES = 20_000  # (a worker buffers 10,000 by default)
 SUB_HWM = 100_000
 
@@ -128,29 +137,68 @@ class KvFeeds:
     """Every worker's feed, owned by the pool when its policy is `kv`: started when a worker says
     hello with an event address (started again, with a fresh index, at every hello: a restarted
     worker numbers its batches from 0; one that only reconnected replays what it buffers), ended
-    when it leaves, all closed with the pool.
+    when it leaves, all closed with the pool; supervised (see the module docstring).
     Also what `/workers` and `/metrics` show of the index per worker."""
 
     def __init__(self, policy: KvAware, *, subscribe: Subscribe = zmq_subscribe,
-                 ask: Ask = zmq_ask) -> None:
+                 ask: Ask = zmq_ask, backoff: tuple[float, float] = (RESTART_MIN_S,
+                                                                     RESTART_MAX_S)) -> None:
         self.policy = policy
         self._subscribe, self._ask = subscribe, ask
+        self._backoff = backoff
         self.feeds: dict[str, tuple[str, KvFeed, asyncio.Task[None]]] = {}  # address -> ...
+        self.restarts: dict[str, int] = {}  # address -> feeds of it that ended and were restarted
         self._tasks = TaskGroup()
 
     def up(self, address: str, name: str, events_addr: str, replay_addr: str,
            page_size: int) -> None:
         self.down(address)  # (a hello again may be a restarted worker: its seq starts over)
+        feed = self._fresh(address, name, events_addr, replay_addr, page_size)
+        if feed is None:
+            return  # no events: the index is the approximation of its placements
+        task = self._tasks.spawn(self._supervise(address, feed, page_size),
+                                 name=f"kv-events {address}")
+        self.feeds[address] = (events_addr, feed, task)
+        log.info("worker %s: routing on its KV events from %s", address, events_addr)
+
+    def _fresh(self, address: str, name: str, events_addr: str, replay_addr: str,
+               page_size: int) -> KvFeed | None:
+        """An empty index for the worker, and the feed that fills it (None: no events)."""
         self.policy.forget(address)
         index = self.policy.index(address, page_size)
         if not events_addr:
-            return  # no events: the index is the approximation of its placements
+            return None
         index.events = True
-        feed = KvFeed(name or address, events_addr, replay_addr, self.policy.logs[address],
+        return KvFeed(name or address, events_addr, replay_addr, self.policy.logs[address],
                       self.policy.clock, subscribe=self._subscribe, ask=self._ask)
-        task = self._tasks.spawn(feed.run(), name=f"kv-events {address}")
-        self.feeds[address] = (events_addr, feed, task)
-        log.info("worker %s: routing on its KV events from %s", address, events_addr)
+
+    async def _supervise(self, address: str, feed: KvFeed, page_size: int) -> None:
+        """Run the worker's feed until cancelled, each time it ends or dies again after a backoff
+        with a fresh index and feed."""
+        least, most = self._backoff
+        wait = least
+        while True:
+            started = time.monotonic()
+            try:
+                await feed.run()
+                why = "its stream ended"
+            except Exception as e:  # (CancelledError is not one: the owner's cancel ends this)
+                why = repr(e)
+                log.error("worker %s: KV event feed died", address, exc_info=e)
+            if time.monotonic() - started >= RESTART_RESET_S:
+                wait = least
+            self.restarts[address] = self.restarts.get(address, 0) + 1
+            log.warning("worker %s: KV event feed restarts in %.1fs (%d so far): %s", address,
+                        wait, self.restarts[address], why)
+            await asyncio.sleep(wait)
+            wait = min(most, wait * 2)
+            fresh = self._fresh(address, feed.name, feed.events_addr, feed.replay_addr,
+                                page_size)
+            assert fresh is not None  # (the same event address as before)
+            feed = fresh
+            entry = self.feeds.get(address)
+            if entry is not None:
+                self.feeds[address] = (entry[0], feed, entry[2])
 
     def down(self, address: str) -> None:
         old = self.feeds.pop(address, None)
@@ -178,6 +226,7 @@ class KvFeeds:
             "kv_event_gaps": events.gaps, "kv_index_resets": events.resets,
             "kv_unknown_parents": index.unknown_parents, "kv_unusable_blocks": index.unusable,
             "kv_bad_event_messages": feed[1].bad if feed is not None else 0,
+            "kv_feed_restarts": self.restarts.get(address, 0),
             "kv_predicted_cached_tokens": self.policy.predicted.get(address, 0),
         }
 
@@ -200,6 +249,10 @@ class KvFeeds:
                    "predicted cached on the worker when it placed requests there (compare with "
                    "the worker's tandem_prefix_cache_hits_total).",
                    per(lambda a: p.predicted.get(a, 0)), ("worker",), kind="counter")
+        r.callback("tandem_router_kv_feed_restarts_total", "Times the worker's KV event feed "
+                   "ended or died and was started again (with a fresh index).",
+                   lambda: [((a,), n) for a, n in list(self.restarts.items())], ("worker",),
+                   kind="counter")
         r.callback("tandem_router_kv_event_gaps_total", "Times batches of the worker's KV events "
                    "were found missing.", per(lambda a: p.logs[a].gaps), ("worker",),
                    kind="counter")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.router.blocks import ROOT, block_keys
+from tandem.router.blocks import block_keys, salt_root
 from tandem.runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["EventLog", "WorkerIndex"]
@@ -73,7 +73,7 @@ class WorkerIndex:
         if size != self.page_size or len(ev.token_ids) != size * len(ev.block_hashes):
             self.unusable += 1
             return
-        parent = ROOT
+        parent = salt_root(ev.cache_salt)  # (a first page: its sequence's root)
         if ev.parent_block_hash is not None:
             known = self._key_of.get(ev.parent_block_hash)
             if known is None:

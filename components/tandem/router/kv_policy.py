@@ -42,7 +42,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from tandem.config import RouterConfig
-from tandem.router.blocks import Candidate, Placement, block_keys, least_loaded, load_key
+from tandem.router.blocks import (Candidate, Placement, block_keys, least_loaded, load_key,
+                                   salt_root)
 from tandem.router.kv_index import EventLog, WorkerIndex
 
 __all__ = ["KvAware"]
@@ -59,7 +60,8 @@ class KvAware:
         # (role, session) -> (worker address, the last prompt's last block key, its block count,
         # expiry)
         self._sessions: dict[tuple[str, str], tuple[str, int, int, float]] = {}
-        self._keys: tuple[list[int], int, list[int]] = ([], 0, [])  # (prompt, size, its keys)
+        self._keys: tuple[list[int], int, str, list[int]] = ([], 0, "", [])  # (prompt, size,
+        # salt, its keys)
         self.predicted: dict[str, int] = {}  # worker -> predicted cached tokens placed there
         self.seconds = 0.0  # wall time spent choosing and recording (placement)
 
@@ -77,21 +79,22 @@ class KvAware:
         self.indexes.pop(address, None)
         self.logs.pop(address, None)
 
-    def _block_keys(self, prompt_ids: list[int], page_size: int) -> list[int]:
-        """The prompt's block keys (computed once for both legs of a PD request)."""
-        prompt, size, keys = self._keys
-        if prompt is not prompt_ids or size != page_size:
-            keys = block_keys(prompt_ids, page_size)
-            self._keys = (prompt_ids, page_size, keys)
+    def _block_keys(self, prompt_ids: list[int], page_size: int, salt: str) -> list[int]:
+        """The prompt's block keys, rooted at its salt's (computed once for both legs of a PD
+        request)."""
+        prompt, size, was, keys = self._keys
+        if prompt is not prompt_ids or size != page_size or was != salt:
+            keys = block_keys(prompt_ids, page_size, salt_root(salt))
+            self._keys = (prompt_ids, page_size, salt, keys)
         return keys
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Placement:
+               page_size: int, session: str = "", salt: str = "") -> Placement:
         if self.auto and not any(self.index(c.address, page_size).events for c in candidates):
             return Placement(least_loaded(candidates))
         t0 = time.perf_counter()
         now = self.clock()
-        keys = self._block_keys(prompt_ids, page_size)
+        keys = self._block_keys(prompt_ids, page_size, salt)
         n = len(prompt_ids)
         most = (n - 1) // page_size  # pages a worker may have cached: all but the last token's
         hint = self._sessions.get((role, session)) if session else None
@@ -117,13 +120,13 @@ class KvAware:
         return Placement(best, best_overlap)
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
-               session: str = "") -> None:
+               session: str = "", salt: str = "") -> None:
         chosen = placed.worker
         if self.auto and not self.index(chosen.address, page_size).events:
             return  # (auto, by load: nothing to predict)
         t0 = time.perf_counter()
         now = self.clock()
-        keys = self._block_keys(prompt_ids, page_size)
+        keys = self._block_keys(prompt_ids, page_size, salt)
         self.index(chosen.address, page_size).placed(keys, now)
         self.predicted[chosen.address] = self.predicted.get(chosen.address, 0) + \
             placed.cached_tokens

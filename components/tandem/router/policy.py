@@ -32,11 +32,11 @@ __all__ = ["LeastLoaded", "PrefixAffinity", "RoundRobin", "make_policy"]
 
 class LeastLoaded:
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Placement:
+               page_size: int, session: str = "", salt: str = "") -> Placement:
         return Placement(least_loaded(candidates))
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
-               session: str = "") -> None:
+               session: str = "", salt: str = "") -> None:
         pass
 
     def forget(self, address: str) -> None:
@@ -53,7 +53,7 @@ class RoundRobin:
         return self._rank.setdefault(address, len(self._rank))
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Placement:
+               page_size: int, session: str = "", salt: str = "") -> Placement:
         for c in candidates:
             self._ranked(c.address)
         last = self._last.get(role, -1)
@@ -61,7 +61,7 @@ class RoundRobin:
         return Placement(min(candidates, key=lambda c: (self._rank[c.address] - last - 1) % n))
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
-               session: str = "") -> None:
+               session: str = "", salt: str = "") -> None:
         self._last[role] = self._ranked(placed.worker.address)
 
     def forget(self, address: str) -> None:
@@ -75,7 +75,7 @@ class PrefixAffinity:
         self.hits = 0  # requests sent to the worker holding their longest known prefix
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
-               page_size: int, session: str = "") -> Placement:
+               page_size: int, session: str = "", salt: str = "") -> Placement:
         owners = self._owner.get(role)
         if owners:
             by_address = {c.address: c for c in candidates}
@@ -91,7 +91,7 @@ class PrefixAffinity:
         return Placement(least_loaded(candidates))
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
-               session: str = "") -> None:
+               session: str = "", salt: str = "") -> None:
         owners = self._owner.setdefault(role, OrderedDict())
         address = placed.worker.address
         for key in block_keys(prompt_ids, page_size):

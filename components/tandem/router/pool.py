@@ -219,7 +219,8 @@ class WorkerPool:
     def _choose(self, role: str, candidates: list[WorkerLink], h: RequestHandle
                 ) -> tuple[WorkerLink, Placement, int]:
         page_size = candidates[0].info.page_size  # type: ignore[union-attr]
-        placed = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session)
+        placed = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session,
+                                    h.salt)
         chosen = placed.worker
         assert isinstance(chosen, WorkerLink)
         if role != "decode":  # the accounting's pending prefill: what it will compute
@@ -242,12 +243,12 @@ class WorkerPool:
             if local and len(ids) - d_placed.cached_tokens <= local:
                 h.start(d)  # its uncached part is short: the decode worker prefills it itself
                 self._count(d)
-                self.policy.served("decode", d_placed, ids, d_page, h.session)
+                self.policy.served("decode", d_placed, ids, d_page, h.session, h.salt)
                 return h
             h.start(d, p, bootstrap_of(p, self._room()))
             self._count(p, d)
-            self.policy.served("prefill", p_placed, ids, p_page, h.session)
-            self.policy.served("decode", d_placed, ids, d_page, h.session)
+            self.policy.served("prefill", p_placed, ids, p_page, h.session, h.salt)
+            self.policy.served("decode", d_placed, ids, d_page, h.session, h.salt)
             return h
         agg_links = serving.get("agg")
         if not agg_links:
@@ -258,7 +259,7 @@ class WorkerPool:
         agg, placed, page = self._choose("agg", aggs, h)
         h.start(agg)
         self._count(agg)
-        self.policy.served("agg", placed, ids, page, h.session)
+        self.policy.served("agg", placed, ids, page, h.session, h.salt)
         return h
 
     def _count(self, *links: WorkerLink) -> None:
@@ -314,15 +315,16 @@ class WorkerPool:
         return int.from_bytes(self._random(8), "little") >> 1
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, session: str = "",
-             tenant: str = "", priority: int = 0) -> RequestHandle:
+             tenant: str = "", priority: int = 0, salt: str = "") -> RequestHandle:
         """A request to place (`session`: its conversation key, "" for none; `tenant` and
-        `priority`: its place in the admission queue and the workers' queues)."""
+        `priority`: its place in the admission queue and the workers' queues; `salt`: its cache
+        salt, "" for none)."""
         if not self.ready():
             self._admission.rejected.labels("no_worker").inc()
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
         h = RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
                           self.requests, self._admission.try_admit)
-        h.session, h.tenant, h.priority = session, tenant, priority
+        h.session, h.tenant, h.priority, h.salt = session, tenant, priority, salt
         return h
 
     async def snapshot(self) -> list[dict[str, Any]]:

@@ -159,8 +159,8 @@ class Leg(Share):
 
 class RequestHandle:
     __slots__ = ("rid", "prompt_ids", "sampling", "collector", "legs", "tokens", "migrations",
-                 "options", "session", "cached_hint", "tenant", "priority", "_admit", "_admit_now",
-                 "_timer", "_moving", "_left")
+                 "options", "session", "salt", "cached_hint", "tenant", "priority", "_admit",
+                 "_admit_now", "_timer", "_moving", "_left")
 
     def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                  admit: Callable[[RequestHandle], Awaitable[Any]], options: RequestOptions,
@@ -174,6 +174,7 @@ class RequestHandle:
         self.migrations = 0
         self.options = options
         self.session = ""  # the conversation it belongs to (the kv policy's preference)
+        self.salt = ""  # its cache salt (Generate.cache_salt; the kv policy's keys are rooted there)
         self.cached_hint = 0  # prompt tokens the policy expects its prefill worker to have cached
         self.tenant = ""  # who sent it (tandem.frontend.tenants) and its priority (lower first)
         self.priority = 0
@@ -237,10 +238,10 @@ class RequestHandle:
             sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - done,
                                          min_tokens=max(0, sp.min_tokens - done))
             msg = Generate(rid, self.prompt_ids + self.tokens, sp, bootstrap, done,
-                           self.tenant, self.priority)
+                           self.tenant, self.priority, self.salt)
         else:
             msg = Generate(rid, self.prompt_ids, self.sampling, bootstrap, 0, self.tenant,
-                           self.priority)
+                           self.priority, self.salt)
         first = Leg(self, reader, True, rid, done)
         reader.start(first, msg)
         if prefill is None:

@@ -7,20 +7,21 @@ as it runs on sockets.
 `publish(events)` is what a tandem engine's `on_kv_events` is set to: it is called on the event
 loop after each engine step that produced events, and never waits. It gives the batch the next
 sequence number (from 0), keeps it in the replay buffer and offers it to the PUB socket without
-blocking. The PUB socket refuses a batch (counted in `batches_dropped`) instead of dropping it
-silently for one subscriber (ZMQ_XPUB_NODROP): when a subscriber's queue is full (`hwm` batches
-it has not read, 100,000 by default), no subscriber gets that batch. Its sequence number is
-spent and it stays in the replay buffer, so every consumer sees the gap and gets it back by
-replay. (The price: one subscriber that stops reading makes the others replay what they miss;
-TCP keepalive ends a dead subscriber's connection within about a minute.)
+blocking. A subscriber that does not keep up loses batches alone: the PUB socket holds at most
+`hwm` batches (1,000 by default) it has not read, and drops what comes past that for that
+subscriber only, which sees the gap in the sequence numbers and gets them back by replay. So a
+subscriber that never reads costs the worker at most `hwm` batches, and never holds back the
+others. (TCP keepalive ends a dead subscriber's connection within about a minute.)
 
 The replay socket answers `[identity, b"", start_seq]` with every buffered batch whose seq >=
 start_seq, then the end marker, in SGLang 0.5.23's form (`[topic, seq, payload]`, then `[b"",
 END, b""]`, after identity and delimiter): a replayed batch is the live stream's three frames.
 A request for a batch no longer buffered gets what is there, from the oldest: the consumer sees
-the gap. Requests are served by the channel's receive loop (tandem.runtime.channel.serve), in a
-task the publisher owns, at most REQUESTS_PER_PASS per event loop pass; a malformed one is dropped and counted in `transport.bad_messages`
-("kv-replay"), an answer cut short (the peer gone or not reading) in `transport.protocol_errors`.
+the gap. The buffer (the last `buffer_steps` batches, at most `buffer_bytes` bytes of them) and
+the answers are tandem.worker.kv_replay's: requests are only queued where they arrive, answers
+sent by the replay server's own task with a budget per event loop pass, one answer in progress
+per peer and a small queue per peer (more is refused, counted). A malformed request is dropped
+and counted in `transport.bad_messages` ("kv-replay").
 
 Both sockets bind on the worker's `--host` (port 0: the OS picks one when it binds) and are
 advertised on its `--advertise-host` in the handshake (`WorkerInfo.kv_events_addr`,
@@ -34,11 +35,9 @@ through) publishes the same format, and `sglang_event_addrs` reads where, for th
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,12 +50,15 @@ from tandem.runtime.kv_events import (PUBLISHED, REPLAY_SERVED, EventBatch, KvEv
                                       encode_batch)
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.refusals import Throttled
+from tandem.worker.kv_replay import ReplayBuffer, ReplayServer
 
 log = logging.getLogger("tandem.worker.kv_events")
 
-HWM = 100_000  # batches a subscriber may have unread before the PUB socket refuses more
+HWM = 1_000  # batches a subscriber may have unread before the PUB socket drops its next ones
 BUFFER_STEPS = 10_000  # batches the replay socket holds
-REQUESTS_PER_PASS = 16  # replay requests answered per event loop pass (each up to BUFFER_STEPS)
+BUFFER_BYTES = 64 << 20  # ... and at most this many bytes of them
+REPLAY_SNDHWM = 256  # replayed batches queued on the socket for one peer (then: retried later)
+REQUESTS_PER_PASS = 16  # replay requests taken per event loop pass (each only queued)
 MAX_REQUEST_BYTES = 1024  # a replay request frame is at most this long (it needs 8 bytes)
 _KEEPALIVE = ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 30), (zmq.TCP_KEEPALIVE_INTVL, 10),
               (zmq.TCP_KEEPALIVE_CNT, 3))
@@ -73,12 +75,12 @@ def zmq_bind(host: str, port: int, replay_port: int, hwm: int,
     def at(p: int) -> str:
         return f"tcp://{transport.url_host(host)}:{p or '*'}"
 
-    # The PUB socket refuses a batch (counted) rather than drop it silently for one peer.
+    # Past `hwm` unread batches a subscriber's next ones are dropped (for it alone).
     live = FrameChannel.publisher(at(port), PUBLISHED, log, (
-        *_KEEPALIVE, (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.SNDHWM, hwm),
-        (zmq.XPUB_NODROP, 1)))
+        *_KEEPALIVE, (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.SNDHWM, hwm)))
     try:
-        # A replay to a gone or full peer raises (ROUTER_MANDATORY): its answer stops there.
+        # A replay to a gone or full peer raises (ROUTER_MANDATORY): gone ends its answer, full
+        # makes the server try it again later.
         replay = FrameRouter(at(replay_port), REPLAY_SERVED, log, (
             *_KEEPALIVE, (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.SNDHWM, replay_sndhwm),
             (zmq.RCVHWM, 1000)))
@@ -96,23 +98,26 @@ class KvEventCounts:
     batches_published: int = 0
     batches_dropped: int = 0  # refused by the PUB socket (still replayable), or not encodable
     replay_requests: int = 0
+    replay_refused: int = 0  # past the per-peer queue or the peers answered at once
     batches_replayed: int = 0
 
 
 class KvEventPublisher:
     def __init__(self, host: str, port: int = 0, replay_port: int = 0, *,
                  advertise_host: str = "", topic: bytes = b"", dp_rank: int = 0, hwm: int = HWM,
-                 buffer_steps: int = BUFFER_STEPS, bind: Bind = zmq_bind) -> None:
+                 buffer_steps: int = BUFFER_STEPS, buffer_bytes: int = BUFFER_BYTES,
+                 bind: Bind = zmq_bind) -> None:
         """Binds nothing yet: `start()` does (on the event loop)."""
         self.host, self.port, self.replay_port = host, port, replay_port
         self.advertise_host = advertise_host or host
         self.topic, self.dp_rank, self.hwm = topic, dp_rank, hwm
         self.counts = KvEventCounts()
         self._bind = bind
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer = ReplayBuffer(buffer_steps, buffer_bytes)
         self._seq = 0  # the next batch's
         self._live: Outlet[LiveOut] | None = None
         self._replay: Replay | None = None
+        self.replays: ReplayServer | None = None  # (from `start()`)
         self._tasks = TaskGroup()  # the replay server and the handshake counters
         self._warn = Throttled(log)
 
@@ -133,12 +138,13 @@ class KvEventPublisher:
 
     async def start(self) -> None:
         """Bind both sockets and serve replay requests from now on."""
-        whole = max(self.hwm, (self._buffer.maxlen or 0) + 1)  # room for a whole answer
         live, replay, self.port, self.replay_port = self._bind(
-            self.host, self.port, self.replay_port, self.hwm, whole)
+            self.host, self.port, self.replay_port, self.hwm, REPLAY_SNDHWM)
         self._live, self._replay = live, replay
-        self._tasks.spawn(serve(replay, self._serve, "kv-replay", log, REQUESTS_PER_PASS),
-                          name="kv-replay")
+        self.replays = ReplayServer(self._buffer, self.topic, replay.send_nowait, self.counts)
+        self._tasks.spawn(serve(replay, self.replays.request, "kv-replay", log,
+                                REQUESTS_PER_PASS), name="kv-replay")
+        self._tasks.spawn(self.replays.run(), name="kv-replay-answers")
         self._tasks.spawn(live.count_refused_handshakes("kv-events", log),
                           name="kv-events-handshakes")
         self._tasks.spawn(replay.count_refused_handshakes("kv-replay", log),
@@ -167,33 +173,15 @@ class KvEventPublisher:
             counts.batches_dropped += 1
             return self._warn.warning("a KV event batch could not be encoded: %r", e)
         seq, self._seq = self._seq, self._seq + 1
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         try:
             live.send_nowait((self.topic, seq, payload))
-        except ChannelFull as e:  # EAGAIN: a subscriber's queue is full (it stays replayable)
+        except ChannelFull as e:  # (the socket is closed)
             counts.batches_dropped += 1
             return self._warn.warning("KV event batch %d dropped (%d so far; replayable): %s",
                                       seq, counts.batches_dropped, e)
         counts.batches_published += 1
         counts.events_published += len(events)
-
-    # --- replay -----------------------------------------------------------------------------------
-    def _serve(self, request: tuple[bytes, int]) -> None:
-        ident, start = request
-        replay = self._replay
-        if replay is None:
-            return
-        self.counts.replay_requests += 1
-        buffer, sent = self._buffer, 0
-        skip = max(0, start - buffer[0][0]) if buffer else 0  # (the buffer's seqs are consecutive)
-        try:
-            for seq, payload in itertools.islice(buffer, skip, None):
-                replay.send_nowait(ident, (self.topic, seq, payload))
-                sent += 1
-            replay.send_nowait(ident, None)  # the end marker
-        except ChannelFull as e:  # the peer is gone (EHOSTUNREACH) or not reading (EAGAIN)
-            transport.refused("kv-replay", "replay cut short", log, f"{ident!r}: {e}")
-        self.counts.batches_replayed += sent
 
 
 # --- SGLang publishes its own ---------------------------------------------------------------------

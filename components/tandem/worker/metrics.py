@@ -16,8 +16,9 @@ time (nothing is mirrored on the hot path):
   cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`;
 - with KV events on (tandem.worker.kv_events): `tandem_worker_kv_events_published_total` (events in
   the batches the PUB socket took), `tandem_worker_kv_event_batches_published_total`,
-  `tandem_worker_kv_event_batches_dropped_total` (refused at the high-water mark: still
-  replayable), `tandem_worker_kv_event_replay_requests_total` and
+  `tandem_worker_kv_event_batches_dropped_total` (not encodable, or the socket closed),
+  `tandem_worker_kv_event_replay_requests_total`, `tandem_worker_kv_event_replays_refused_total`
+  (past a peer's queue or the peers answered at once) and
   `tandem_worker_kv_event_batches_replayed_total`; their handshake failures and bad replay
   requests count in the protocol errors (sockets "kv-events", "kv-replay").
 """
@@ -37,9 +38,11 @@ _KV_EVENT_COUNTERS = (
     ("tandem_worker_kv_event_batches_published_total", "batches_published",
      "KV event batches the PUB socket took"),
     ("tandem_worker_kv_event_batches_dropped_total", "batches_dropped",
-     "KV event batches the PUB socket refused (a subscriber's queue was full; still replayable)"),
+     "KV event batches not published (not encodable, or the socket was closed)"),
     ("tandem_worker_kv_event_replay_requests_total", "replay_requests",
-     "KV event replay requests served"),
+     "KV event replay requests received"),
+    ("tandem_worker_kv_event_replays_refused_total", "replay_refused",
+     "KV event replay requests refused (the peer's queue, or the peers answered at once, full)"),
     ("tandem_worker_kv_event_batches_replayed_total", "batches_replayed",
      "KV event batches sent in answer to replay requests"),
 )

@@ -272,7 +272,7 @@ class WorkerServer:
             return refuse(ErrorKind.BAD_REQUEST, f"prefill bootstrap {b.host}:{b.port} is not "
                           "one this frontend announced (Prefills)")
         req = EngineRequest(msg.rid, msg.prompt_ids, msg.sampling, msg.bootstrap, msg.resume_offset,
-                            msg.tenant, msg.priority)
+                            msg.tenant, msg.priority, msg.cache_salt)
         try:
             handle = self.engine.submit(req, self)
         except EngineError as e:

@@ -32,6 +32,9 @@ class Limits:
     max_context: int = 0
 
 
+MAX_SALT_CHARS = 256  # (a KV event carries it: tandem.runtime.kv_events caps names so)
+
+
 def check_generate(g: Generate, limits: Limits) -> str | None:
     """None if `g` may go to the engine, else why not."""
     if not g.rid or len(g.rid) > MAX_RID_CHARS:
@@ -39,6 +42,8 @@ def check_generate(g: Generate, limits: Limits) -> str | None:
     why = check_prompt(g.prompt_ids, limits)
     if why is None and not 0 <= g.resume_offset < len(g.prompt_ids):
         why = "resume_offset must be at least 0 and less than the prompt's length"
+    if why is None and len(g.cache_salt) > MAX_SALT_CHARS:
+        why = f"cache_salt must have at most {MAX_SALT_CHARS} characters"
     if why is None:
         problem = check_sampling(g.sampling, limits.vocab_size)
         why = problem[0] if problem is not None else None

@@ -46,7 +46,11 @@ U = TypeVar("U")
 
 
 class ChannelFull(Exception):
-    """The peer is not reading (the channel's bound is reached), or it is gone."""
+    """The peer is not reading (the channel's bound is reached), or it is gone (`gone`)."""
+
+    def __init__(self, why: str = "", gone: bool = False) -> None:
+        super().__init__(why)
+        self.gone = gone
 
 
 class Channel(Protocol[S, R]):
@@ -287,7 +291,7 @@ class MemoryRouter(Generic[T, U]):
     def send_nowait(self, ident: bytes, msg: T) -> None:
         peer = self.peers.get(ident)
         if peer is None or peer.closed or self.closed:
-            raise ChannelFull(f"peer {ident!r} is gone")
+            raise ChannelFull(f"peer {ident!r} is gone", gone=True)
         peer.receive(msg)
 
     def arrive(self, ident: bytes, msg: Any) -> None:

@@ -15,8 +15,8 @@ what the other end's decodes.
 - In memory, for socket-free tests: `memory_frame_pair(a, b)` and `memory_frame_router(router,
   peer)` are tandem.runtime.channel's memory ends whose messages cross the codecs (encoded by the
   sender's, decoded by the receiver's), so the bytes are those a socket would carry;
-  `MemoryPublisher` is a PUB's end (every subscriber gets each message, or, when one of them is
-  full, none does: XPUB_NODROP).
+  `MemoryPublisher` is a PUB's end (every subscriber gets each message, except one that is full:
+  it misses it, as a PUB socket past its high-water mark drops it for that subscriber alone).
 
 Sockets come from tandem.runtime.transport (`pub`, `sub`, `dealer`, `router`: the cluster's keys,
 monitors, high-water marks) and are read by its one receive loop (`frame_messages`).
@@ -116,8 +116,9 @@ class FrameChannel(Generic[S, R]):
         return bool(self._sock.closed)
 
     def send_nowait(self, msg: S) -> None:
-        """Past the high-water mark (a PUB with XPUB_NODROP: some subscriber's), or closed:
-        `ChannelFull`, with ZMQ's reason; nothing of the message is queued then."""
+        """Past the high-water mark (a DEALER's), or closed: `ChannelFull`, with ZMQ's reason;
+        nothing of the message is queued then. (A PUB never refuses: past a subscriber's
+        high-water mark it drops the message for that subscriber.)"""
         try:
             transport.send_frames_nowait(self._sock, self.codec.encode(msg))
         except zmq.ZMQError as e:
@@ -156,11 +157,12 @@ class FrameRouter(Generic[S, R]):
         return bool(self._sock.closed)
 
     def send_nowait(self, ident: bytes, msg: S) -> None:
-        """Gone (EHOSTUNREACH), not reading (EAGAIN) or closed: `ChannelFull`."""
+        """Gone (EHOSTUNREACH), not reading (EAGAIN) or closed: `ChannelFull` (`gone` unless
+        EAGAIN)."""
         try:
             transport.send_frames_nowait(self._sock, [ident, *self.codec.encode(msg)])
         except zmq.ZMQError as e:
-            raise ChannelFull(str(e)) from None
+            raise ChannelFull(str(e), gone=e.errno != zmq.EAGAIN) from None
 
     def __aiter__(self) -> AsyncIterator[tuple[bytes, R]]:
         decode = self.codec.decode
@@ -220,11 +222,9 @@ class MemoryPublisher(Generic[S]):
     def send_nowait(self, msg: S) -> None:
         if self._closed:
             raise ChannelFull("closed")
-        live = [s for s in self.subscribers if s.peer is not None and not s.peer.closed]
-        if any(len(s.peer) >= self.bound for s in live if s.peer is not None):
-            raise ChannelFull("a subscriber is full")
-        for s in live:
-            s.send_nowait(msg)
+        for s in self.subscribers:
+            if s.peer is not None and not s.peer.closed and len(s.peer) < self.bound:
+                s.send_nowait(msg)  # (a full subscriber misses it, as a PUB drops it for it)
 
     async def count_refused_handshakes(self, socket: str, log: logging.Logger) -> None:
         """(In memory there are no handshakes: this waits until cancelled.)"""

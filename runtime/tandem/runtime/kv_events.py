@@ -10,7 +10,8 @@ and the payload is msgpack: the batch `[ts, events, dp_rank]` (an array), each e
 by `"type"`:
 
     {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | nil,
-     "token_ids": [t, ...], "block_size": n, "lora_id": nil, "medium": nil, "lora_name": nil}
+     "token_ids": [t, ...], "block_size": n, "lora_id": nil, "medium": nil, "lora_name": nil,
+     "cache_salt": s | nil}
     {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": nil}
     {"type": "AllBlocksCleared"}
 
@@ -19,8 +20,11 @@ order (`len(token_ids) == len(block_hashes) * block_size`). A block hash is the 
 key for parent links and removal; routers recompute their own keys from `token_ids`. Every field
 either engine's own structs require is written, `None` included (vLLM's current struct requires
 `lora_id`, `medium` and `lora_name`, SGLang's `lora_id`), so a consumer that decodes with either
-engine's structs accepts tandem's events; the engines' optional extras (extra keys, cache salt,
-session, ...) tandem does not have, and does not write.
+engine's structs accepts tandem's events. `cache_salt` (vLLM's and SGLang's name) is the salt of
+the sequence whose first block this is (None: unsalted): a router roots that block's key at the
+salt (tandem.router.blocks.salt_root), so salted prefixes never match unsalted or other salts'
+ones. The engines' other optional extras (extra keys, session, ...) tandem does not have, and
+does not write.
 
 A consumer that sees a gap in `seq` asks the replay socket (a ROUTER) for the batches from the
 first one it lacks: the request is `[identity, b"", start_seq (8 bytes BE)]`; the answer is every
@@ -104,6 +108,7 @@ class BlockStored(_Event):
     lora_id: int | None = None
     medium: _Name = None  # the storage tier: "GPU", "CPU_PINNED", ... (None: not said)
     lora_name: _Name = None
+    cache_salt: _Name = None  # the sequence's cache salt (its first block's root; None: none)
 
 
 class BlockRemoved(_Event):
@@ -150,6 +155,7 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored"):
     lora_id: int | None = None
     medium: _Name = None
     lora_name: _Name = None
+    cache_salt: _Name = None
 
 
 class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
@@ -231,7 +237,7 @@ def _event(raw: msgspec.Raw) -> KvEvent:
         parent = None if ev.parent_block_hash is None else _hash(ev.parent_block_hash)
         return BlockStored([_hash(h) for h in ev.block_hashes], parent, ev.token_ids,
                            ev.block_size, ev.lora_id, ev.medium,
-                           getattr(ev, "lora_name", None))
+                           getattr(ev, "lora_name", None), getattr(ev, "cache_salt", None))
     if isinstance(ev, (_RemovedMap, _RemovedArray)):
         return BlockRemoved([_hash(h) for h in ev.block_hashes], ev.medium)
     return AllBlocksCleared()
@@ -244,7 +250,7 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         raise KvEventsError(f"payload of {len(payload)} bytes (most: {MAX_PAYLOAD_BYTES})")
     try:  # the fast path: tandem's own form (and any with int hashes), in one typed decode
         fast = _fast_batch.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # (not only msgspec's errors: a tag of invalid UTF-8 is UnicodeDecodeError)
         pass
     else:
         for ev in fast.events:

@@ -148,6 +148,9 @@ class Generate(_Msg):
     # priority (vLLM's: lower first): the engine's fair order (grammar compiles, admission).
     tenant: str = ""
     priority: int = 0
+    # Its prefix cache partition: pages of requests with different salts are never shared (""
+    # none). The frontend sends a digest, never a tenant's value in clear.
+    cache_salt: str = ""
 
 
 class TokenLogprobs(_Msg):
