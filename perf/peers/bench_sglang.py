@@ -17,14 +17,12 @@ tandem / SGLang).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 import time
 
 from perf.common.launch import launch as launch_tandem
 from perf.peers import sglang
-from perf.peers.bench_vllm import measure, report
+from perf.peers.bench_vllm import measure, side_by_side
 
 PAGE_SIZE = 16  # tandem's default page size, given to SGLang's own server too
 
@@ -74,31 +72,11 @@ def main() -> None:
                    help="instead: each level issues requests for this long")
     p.add_argument("--out", default="perf/results/peers/sglang_overhead")
     args = p.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
-    shapes = args.shapes.split(",")
-    if "1p1d" in shapes and not args.router_python:
+    if "1p1d" in args.shapes.split(",") and not args.router_python:
         p.error("1p1d needs --router-python (SGLang's router, in a venv of its own)")
-    log_dir = tempfile.mkdtemp(prefix="bench-sglang-")
-    rows: list[dict] = []
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = {"command": "python -m perf.peers.bench_sglang " + " ".join(
-        f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k != "router_python"),
-            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
-    for r in range(args.runs):
-        for shape in shapes:
-            order = ("tandem", "sglang") if r % 2 == 0 else ("sglang", "tandem")
-            for system in order:
-                print(f"run {r + 1}/{args.runs}: {system} {shape}", flush=True)
-                for row in one(system, shape, levels, args, log_dir):
-                    rows.append({**row, "system": system, "shape": shape, "run": r})
-                with open(args.out + ".json", "w") as f:  # (after each: a partial run is kept)
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    table = report(rows, levels, shapes, "sglang", "SGLang")
-    with open(args.out + ".md", "w") as f:
-        f.write(f"# tandem around SGLang's CPU engine vs SGLang's own server, SmolLM2-135M-Instruct"
-                f"\n\n`{meta['command']}`\n\n{args.runs} runs, medians; ratio = tandem / SGLang."
-                f"\n\n{table}\n")
-    print(table)
+    side_by_side(args, "sglang", "SGLang", one, "python -m perf.peers.bench_sglang",
+                 "tandem around SGLang's CPU engine vs SGLang's own server, "
+                 "SmolLM2-135M-Instruct", skip=("router_python",))
 
 
 if __name__ == "__main__":

