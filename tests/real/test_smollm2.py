@@ -22,6 +22,7 @@ import pytest
 
 from tests.cluster import Cluster, reference_workers
 from tests.transformers_ref import Expected, Transformers, token_bytes
+from tests.waits import wait_for
 from tests.sse import Stream
 
 MAX_TOKENS = 24
@@ -237,7 +238,9 @@ def test_stream_moves_off_a_killed_worker_and_stays_exact(
         c.add_worker("reference", ["--role", "agg"])
     try:
         c.start_frontend()
-        c.wait_ready(120)
+        c.wait_ready(120)  # (ready with one worker up: the stream needs the other to move to)
+        wait_for(lambda: sum(w["state"] == "up" for w in c.worker_states()) == 2,
+                 "both workers up", timeout=120)
         s = Stream(c.url, "/v1/chat/completions", {
             "model": _model(c), "temperature": 0, "max_tokens": max_tokens, "messages": msgs,
             "stream": True, "stream_options": {"include_usage": True}}, timeout=120)

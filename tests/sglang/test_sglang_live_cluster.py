@@ -37,6 +37,7 @@ from tests.cluster import Cluster, Proc, free_port
 from tests.sglang.live import START_TIMEOUT_S, WORKER_ARGS, missing, pick_stop, post, stream
 from tests.sse import Stream
 from tests.transformers_ref import Expected, Transformers
+from tests.waits import wait_for
 
 if missing():
     pytest.skip(missing(), allow_module_level=True)
@@ -88,6 +89,8 @@ def live(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             fronts.append(c)
         for c in fronts:
             c.wait_ready(timeout=START_TIMEOUT_S)
+            wait_for(lambda: all(w["state"] == "up" for w in c.worker_states()),
+                     "every worker up", timeout=START_TIMEOUT_S)  # (ready: one is up)
     except BaseException:
         for w in workers.workers:
             print(w.name, w.log())
