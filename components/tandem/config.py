@@ -115,6 +115,12 @@ class MockTiming:
                                         type=non_negative_float)
     kv_bytes_per_s: float = opt(0.0, "simulated KV transfer rate in bytes/s (0 = instant)",
                                 type=non_negative_float)
+    mock_d2h_bytes_per_s: float = opt(0.0, "simulated copy rate into the host tier "
+                                      "(--host-kv-pages) in bytes/s, charged to the step that "
+                                      "evicts (0 = instant)", type=non_negative_float)
+    mock_h2d_bytes_per_s: float = opt(0.0, "simulated copy rate back from the host tier in "
+                                      "bytes/s, charged to the step that loads (0 = instant)",
+                                      type=non_negative_float)
 
     @classmethod
     def of(cls, cfg: MockTiming) -> MockTiming:
@@ -159,6 +165,11 @@ class WorkerConfig(MockTiming, Common):
     prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "
                              "keyed by their token prefix, and reuse them for later prompts that "
                              "start the same way (--no-prefix-cache: recompute every prompt)")
+    host_kv_pages: int = opt(0, "mock and reference engines: pages of a host-memory tier for "
+                             "the prefix cache: cached pages evicted from the KV pool are copied "
+                             "there and copied back on a hit instead of being computed again "
+                             "(0 = no host tier; needs the prefix cache)",
+                             type=non_negative_int)
     check_kv: bool = opt(False, "check the KV page accounting after every engine step and stop "
                          "the worker if it is broken (slow: for debugging; the test suite turns "
                          "it on with TANDEM_CHECK_KV=1)")
@@ -203,6 +214,11 @@ class WorkerConfig(MockTiming, Common):
     def __post_init__(self) -> None:
         if self.role == "prefill" and not self.bootstrap_port:
             raise ValueError("--role prefill needs --bootstrap-port")
+        if self.host_kv_pages and self.engine not in ("mock", "reference"):
+            raise ValueError(f"--host-kv-pages is for the mock and reference engines; --engine "
+                             f"{self.engine} has its own (SGLang: --enable-hierarchical-cache)")
+        if self.host_kv_pages and not self.prefix_cache:
+            raise ValueError("--host-kv-pages needs the prefix cache (drop --no-prefix-cache)")
         if self.engine_args and self.engine not in PASSTHROUGH_ENGINES:
             raise ValueError(f"unrecognized arguments: {' '.join(self.engine_args)} (only "
                              f"--engine {'/'.join(PASSTHROUGH_ENGINES)} takes engine flags; "

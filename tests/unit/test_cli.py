@@ -163,6 +163,8 @@ def _non_default(flag: flags.Flag, tmp_path: Path) -> Any:
     d = flag.default
     if flag.dest == "tenant_by":
         return ("user", "header:x-team")
+    if flag.dest == "host_kv_pages":  # (it needs the prefix cache, which this run turns off;
+        return d  # test_up_forwards_only_what_was_given forwards it)
     if flag.dest == "admin_token_file":  # (a file that must exist)
         (tmp_path / "admin-token").write_text("token\n")
         return str(tmp_path / "admin-token")
@@ -217,6 +219,8 @@ def test_up_forwards_only_what_was_given(model: str, tmp_path: Path) -> None:
     assert cmd.forwarded is not None
     assert cmd.forwarded.worker == ("--page-size", "8")
     assert cmd.forwarded.frontend == ("--router-policy", "round-robin")
+    tiered = parse(["up", "--model", model, "--host-kv-pages", "64"]).forwarded
+    assert tiered is not None and tiered.worker == ("--host-kv-pages", "64")
     write_keys(tmp_path / "k")
     keys = str(tmp_path / "k")
     keyed = parse(["up", "--model", model, "--auth-keys", keys, "--log-level", "DEBUG"]).forwarded

@@ -36,11 +36,13 @@ def model_dir(tmp: Path) -> str:
     return str(tmp)
 
 
-async def scenario(path: str, groups: list[list[int]], reqs: list[Req]) -> None:
+async def scenario(path: str, groups: list[list[int]], reqs: list[Req], host: int = 0) -> None:
     fabric = Fabric()
     kw: dict[str, Any] = {"page_size": 4, "num_pages": 16, "max_batch": 3}
-    on = MockEngine(path, **kw)
     off = MockEngine(path, prefix_cache=False, **kw)
+    if host:  # the caching engines get a host tier, and fewer device pages (more evictions)
+        kw.update(host_pages=host, num_pages=12)
+    on = MockEngine(path, **kw)
     prefill = MockEngine(path, handoff=Spec(fabric, "prefill"), **kw)
     decode = MockEngine(path, handoff=Spec(fabric, "decode"), **kw)
     engines = (on, off, prefill, decode)
@@ -81,14 +83,17 @@ async def scenario(path: str, groups: list[list[int]], reqs: list[Req]) -> None:
             await wait_idle(e)  # every page free or cached; the pool's check passes
         event(f"cache hits: {bool(on.pool.hits)}, decode-side hits: {bool(decode.pool.hits)}")
         event(f"evictions: {any(type(x).__name__ == 'BlockRemoved' for x in evicted)}")
+        event(f"host tier hits: {bool(on.pool.host_hits or prefill.pool.host_hits or decode.pool.host_hits)}")
     finally:
         for e in engines:
             await e.shutdown()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(groups=prefixes, reqs=requests)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(groups=prefixes, reqs=requests, host=st.sampled_from([0, 2, 8]))
 def test_random_shared_prefixes_keep_the_invariant_and_the_tokens(tmp_path: Path,
                                                                   groups: list[list[int]],
-                                                                  reqs: list[Req]) -> None:
-    asyncio.run(asyncio.wait_for(scenario(model_dir(tmp_path), groups, reqs), 60))
+                                                                  reqs: list[Req],
+                                                                  host: int) -> None:
+    """(`host`: the caching engines' host tier, in pages: none, tiny, or half the device's.)"""
+    asyncio.run(asyncio.wait_for(scenario(model_dir(tmp_path), groups, reqs, host), 60))

@@ -47,7 +47,7 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
             cfg.model, page_size=cfg.page_size, num_pages=cfg.num_pages, max_batch=cfg.max_batch,
             output_mode=cfg.output_mode or None, handoff=handoff, timing=MockTiming.of(cfg),
             prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
-            max_prefill_tokens=cfg.max_prefill_tokens)
+            max_prefill_tokens=cfg.max_prefill_tokens, host_pages=cfg.host_kv_pages)
     if cfg.engine == "reference":
         from tandem.engines.reference.engine import DEFAULT_MAX_PREFILL_TOKENS as PREFILL_TOKENS
         from tandem.engines.reference.engine import ReferenceEngine
@@ -56,7 +56,7 @@ def make_engine(cfg: WorkerConfig, name: str = "") -> Engine:
                                num_pages=cfg.num_pages, max_batch=cfg.max_batch,
                                output_mode=cfg.output_mode or None, handoff=handoff,
                                prefix_cache=cfg.prefix_cache, check_pages=cfg.check_kv,
-                               threads=cfg.threads,
+                               threads=cfg.threads, host_pages=cfg.host_kv_pages,
                                max_prefill_tokens=cfg.max_prefill_tokens or PREFILL_TOKENS)
     if cfg.engine == "sglang":  # PD through SGLang's own bootstrap server: no tandem handoff
         from tandem.engines.sglang import SGLangEngine

@@ -119,6 +119,30 @@ def spec_from_config(model_dir: str, cfg: dict[str, Any]) -> ModelSpec:
     )
 
 
+class ModelledCopies:
+    """The mock's host tier copier: no bytes, the time its copies would take at the modelled
+    rates (`--mock-d2h-bytes-per-s`, `--mock-h2d-bytes-per-s`), owed by the next step."""
+
+    def __init__(self, page_bytes: int, timing: MockTiming) -> None:
+        self.page_bytes = page_bytes
+        self.d2h, self.h2d = timing.mock_d2h_bytes_per_s, timing.mock_h2d_bytes_per_s
+        self._owed = 0.0
+
+    def save(self, pages: Collection[int], slots: Collection[int]) -> None:
+        if self.d2h:
+            self._owed += len(pages) * self.page_bytes / self.d2h
+
+    def load(self, slots: Collection[int], pages: Collection[int]) -> float:
+        took = len(pages) * self.page_bytes / self.h2d if self.h2d else 0.0
+        self._owed += took
+        return took
+
+    def owed(self) -> float:
+        """The copies' seconds since the last call (the step that calls sleeps them)."""
+        owed, self._owed = self._owed, 0.0
+        return owed
+
+
 class MockEngine(Stepper):
     name = "mock"
 
@@ -127,7 +151,8 @@ class MockEngine(Stepper):
                  output_mode: OutputMode | None = None, timing: MockTiming = MockTiming(),
                  handoff: HandoffSpec | None = None,
                  prefix_cache: bool = WorkerConfig.prefix_cache,
-                 check_pages: bool = WorkerConfig.check_kv, max_prefill_tokens: int = 0) -> None:
+                 check_pages: bool = WorkerConfig.check_kv, max_prefill_tokens: int = 0,
+                 host_pages: int = WorkerConfig.host_kv_pages) -> None:
         cfg = read_model_config(model_dir)
         self.spec = spec_from_config(model_dir, cfg)
         heads = int(cfg.get("num_attention_heads", 8))
@@ -139,8 +164,13 @@ class MockEngine(Stepper):
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                          output_mode=output_mode,
                          max_prefill_tokens=max_prefill_tokens or UNLIMITED_PREFILL_TOKENS,
-                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
+                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages,
+                         host_pages=host_pages)
         self.timing = timing
+        self._copies = ModelledCopies(self.page_bytes, timing)
+        if self.pool.host is not None:
+            self.pool.host.copier = self._copies
+            self.pool.host.compute_s_per_token = timing.mock_prefill_us_per_token / 1e6
         self._avoid = frozenset(self.spec.eos_token_ids)
 
     def new_sequence(self, req: EngineRequest, pd: str) -> Sequence:
@@ -158,7 +188,7 @@ class MockEngine(Stepper):
         prefill = batch.prefill
         num_decoding = len(batch.decode) + (
             sum(1 for s in prefill if s.pd != "prefill") if prefill else 0)
-        cost = self.timing.step_cost(num_prompt_tokens, num_decoding)
+        cost = self.timing.step_cost(num_prompt_tokens, num_decoding) + self._copies.owed()
         # The step's tokens come out when its compute would have finished (sleep(0): a yield).
         await asyncio.sleep(cost)
         vocab, avoid = self.spec.vocab_size, self._avoid

@@ -25,6 +25,13 @@ request's pages are released last page first, so a prefix's deeper pages are evi
 pages they extend. Each store and eviction is recorded as a KV event (tandem.runtime.kv_events)
 while `recording`, and the engine takes them after each step (`take_events`); `admitted` counts
 what admission looked up and found cached (`queries`, `hits`).
+
+The host tier (`host`, tandem.engines.host_tier): with one, an evicted cached page is copied
+into a host slot instead of being dropped (BlockRemoved on the device, BlockStored in the host
+medium), and `match` finds the host's pages too, as markers (`-1 - slot`) after or between the
+device's: `take` and `reserve` load each into a fresh device page (counted with the new pages, so
+a hit costs the same pages as a miss) and cache it on the device again (the reverse events). A key
+is cached in one tier at most; `check` covers both.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
 
+from tandem.engines.host_tier import DEVICE, HostTier, Meta, TierMoves
 from tandem.engines.prefix import event_hash
 from tandem.runtime.errors import PagePoolError
 from tandem.runtime.kv_events import BlockRemoved, BlockStored, KvEvent
@@ -46,8 +54,9 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
     return num_layers * 2 * page_size * num_kv_heads * head_dim * elem_bytes
 
 
-class PagePool:
-    def __init__(self, num_pages: int, page_size: int, caching: bool = False) -> None:
+class PagePool(TierMoves):
+    def __init__(self, num_pages: int, page_size: int, caching: bool = False,
+                 host: HostTier | None = None) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("num_pages and page_size must be positive")
         self.num_pages = num_pages
@@ -67,6 +76,10 @@ class PagePool:
         self._events: list[KvEvent] = []  # stores and evictions since the engine last took them
         self.recording = True  # whether to record them (the engine: when someone takes them)
         self.queries = self.hits = 0  # prompt tokens looked up / found cached, at admission
+        self.host_hits = 0  # of `hits`, loaded from the host tier
+        self.host = host if caching else None  # the host tier (None: evicted pages are dropped)
+        self.medium = DEVICE if self.host is not None else None  # (the events' medium)
+        self._meta: dict[int, Meta] = {}  # with a host tier: each device-cached key's event data
 
     # --- counts ---------------------------------------------------------------------------------
     @property
@@ -105,19 +118,26 @@ class PagePool:
         events, self._events = self._events, []
         return events
 
-    def admitted(self, num_prompt: int, num_hit_pages: int) -> None:
-        """A request of `num_prompt` prompt tokens was admitted with `num_hit_pages` cached."""
+    def admitted(self, num_prompt: int, hits: Sequence[int]) -> None:
+        """A request of `num_prompt` prompt tokens was admitted with the cached pages `hits`
+        (as `match` gave them: a host tier's are counted in `host_hits` too)."""
         self.queries += num_prompt
-        self.hits += num_hit_pages * self.page_size
+        self.hits += len(hits) * self.page_size
+        if self.host is not None:
+            self.host_hits += sum(1 for p in hits if p < 0) * self.page_size
 
     def match(self, keys: Sequence[int], limit: int) -> list[int]:
-        """The cached pages of the leading `keys` (at most `limit`), in order; changes nothing."""
+        """The cached pages of the leading `keys` (at most `limit`), in order; a page in the host
+        tier as `-1 - its slot`; changes nothing."""
         pages: list[int] = []
-        get = self._page.get
+        get, host = self._page.get, self.host
         for key in keys[:limit]:
             page = get(key)
             if page is None:
-                break
+                slot = None if host is None else host.slot(key)
+                if slot is None:
+                    break
+                page = -1 - slot
             pages.append(page)
         return pages
 
@@ -126,6 +146,8 @@ class PagePool:
         it unavailable for the new ones)."""
         lru = self._lru
         pinned = sum(1 for p in hits if p in lru) if lru else 0
+        if self.host is not None:  # (a host page needs a device page to load into)
+            num_new += sum(1 for p in hits if p < 0)
         return num_new <= len(self._free) + len(lru) - pinned - self.num_promised
 
     def publish(self, pages: Sequence[int], keys: Sequence[int], start: int, end: int,
@@ -134,7 +156,7 @@ class PagePool:
         key already cached (another request computed the same prefix) keeps its page; ours stays
         private. `tokens(a, b)` gives the sequence's ids [a, b) (for the event); `salt`, its
         cache salt (its first page's event carries it)."""
-        page_of, key_of = self._page, self._key
+        page_of, key_of, host = self._page, self._key, self.host
         run: list[int] = []
         first = start
         for i in range(start, end):
@@ -146,6 +168,8 @@ class PagePool:
             page_of[key] = page
             key_of[page] = key
             run.append(key)
+            if host is not None:
+                self._hosted(i, keys, tokens, salt)
         self._stored(run, keys, first, tokens, salt)
 
     def _stored(self, run: list[int], keys: Sequence[int], first: int,
@@ -157,7 +181,7 @@ class PagePool:
             block_hashes=[event_hash(k) for k in run],
             parent_block_hash=event_hash(keys[first - 1]) if first else None,
             token_ids=tokens(first * size, (first + len(run)) * size), block_size=size,
-            cache_salt=salt or None if not first else None))
+            medium=self.medium, cache_salt=salt or None if not first else None))
 
     def _evict(self, n: int) -> None:
         """Make `n` more pages free by evicting cached ones: never reused first, then reused;
@@ -167,6 +191,7 @@ class PagePool:
         if len(victims) < n:  # (the reused ones too)
             chosen = set(victims)
             victims += islice((p for p in lru if p not in chosen), n - len(victims))
+        moves: list[tuple[int, int, Meta]] = []
         for page in victims:
             del lru[page]
             reused.discard(page)
@@ -174,10 +199,14 @@ class PagePool:
             del self._page[key]
             gone.append(event_hash(key))
             self._free.append(page)
+            if self.host is not None:
+                moves.append((page, key, self._meta.pop(key)))
         if len(gone) < n:
             raise PagePoolError(f"need {n} pages more, {len(gone)} evictable")
+        if moves:  # (their host stores first: a parent stays known while its child moves)
+            self._offload(moves)
         if self.recording:
-            self._events.append(BlockRemoved(block_hashes=gone))
+            self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium))
 
     def _new(self, n: int) -> list[int]:
         short = n - len(self._free)
@@ -197,11 +226,14 @@ class PagePool:
             raise PagePoolError(f"{owner} already has pages")
         if not self.can_take(hits, num_new + later):
             raise PagePoolError(f"need {num_new + later} pages, {self.num_available} available")
-        self._share(hits)
-        pages = [*hits, *self._new(num_new)]
-        for p in pages[len(hits):]:
+        pinned = self._pin(hits)
+        self._share([p for p in hits if p >= 0] if pinned else hits)
+        new = self._new(num_new + len(pinned))
+        if pinned:
+            hits, new = self._onload(hits, pinned, new), new[len(pinned):]
+        for p in new:
             self._refs[p] = 1
-        self._held[owner] = pages
+        pages = self._held[owner] = [*hits, *new]
         self._promise(owner, later)
         return list(pages)  # (the caller's own list: `grow` appends to the pool's)
 
@@ -241,16 +273,20 @@ class PagePool:
     def reserve(self, owner: str, num_pages: int, hits: Sequence[int] = (),
                 later: int = 0) -> list[int]:
         """Set pages aside for a transfer into them (decode side of PD), after the cached pages
-        `hits` it shares (which nothing writes into), and promise `later` more for its
-        completion (`grow`, once committed); returns the reserved ones."""
+        `hits` it shares (which nothing writes into; a host tier's are loaded first), and
+        promise `later` more for its completion (`grow`, once committed); returns the reserved
+        ones (`pages_of`: all its pages)."""
         if owner in self._reserved or owner in self._held:
             raise PagePoolError(f"{owner} already has pages")
         if not self.can_take(hits, num_pages + later):
             raise PagePoolError(f"need {num_pages + later} pages, {self.num_available} available")
+        pinned = self._pin(hits)
+        self._share([p for p in hits if p >= 0] if pinned else hits)
+        pages = self._new(num_pages + len(pinned))
+        if pinned:
+            hits, pages = self._onload(hits, pinned, pages), pages[len(pinned):]
         if hits:
-            self._share(hits)
             self._held[owner] = list(hits)
-        pages = self._new(num_pages)
         self._reserved[owner] = pages
         self._promise(owner, later)
         return pages
@@ -316,6 +352,10 @@ class PagePool:
                 any(self._page.get(k) != p for p, k in self._key.items()) or \
                 len(self._page) != len(self._key) or any(p in self._key for p in self._free):
             raise PagePoolError("prefix cache maps disagree with the pages")
+        if self.host is not None:
+            self.host.check(self._page)
+            if self._meta.keys() != self._page.keys():
+                raise PagePoolError("a device-cached page has no event data (or a gone one has)")
 
 
 def check_accounting(num_pages: int, free: Collection[int], held: Iterable[list[int]],

@@ -158,11 +158,16 @@ class Scheduler:
 
     def load(self) -> Load:
         """What runs and waits, and the pool's pages and prefix cache counts (the engine's load)."""
-        pool = self.pool
-        return Load(running=self.num_running, waiting=self.num_waiting,
+        pool, host = self.pool, self.pool.host
+        load = Load(running=self.num_running, waiting=self.num_waiting,
                     pages_free=pool.num_available, pages_total=pool.num_pages,
                     pages_reserved=pool.num_reserved, pages_cached=pool.num_cached,
                     cache_queries=pool.queries, cache_hits=pool.hits)
+        if host is not None:
+            load.host_pages_total, load.host_pages_cached = host.num_slots, host.num_cached
+            load.host_hits, load.host_load_s_per_page = pool.host_hits, host.load_s_per_page
+            load.prefill_s_per_token = host.compute_s_per_token
+        return load
 
     def all(self) -> list[Sequence]:
         return [*self.waiting, *self.running.values(), *self.fetching.values(),
@@ -203,7 +208,7 @@ class Scheduler:
                 break
             self.waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
-            self._admitted(seq, len(hits))
+            self._admitted(seq, hits)
             seq.status = SeqStatus.RUNNING
             self.running[seq.owner] = seq
             seq.in_flight = True
@@ -239,10 +244,10 @@ class Scheduler:
         now = self.pool.pages_for(len(seq.prompt_ids)) - len(hits)
         return now, self.pool.pages_for(seq.max_total) - len(hits) - now
 
-    def _admitted(self, seq: Sequence, num_hits: int) -> None:
-        pool = self.pool
+    def _admitted(self, seq: Sequence, hits: list[int]) -> None:
+        pool, num_hits = self.pool, len(hits)
         if pool.caching:
-            pool.admitted(len(seq.prompt_ids), num_hits)
+            pool.admitted(len(seq.prompt_ids), hits)
             seq.published = num_hits
             seq.publish_at = len(seq.prompt_ids)
         if seq.pd == "decode":
@@ -254,8 +259,9 @@ class Scheduler:
         if not self.pool.can_take(hits, now + later):
             return False
         self.waiting.pop(seq)
-        seq.pages = [*hits, *self.pool.reserve(seq.owner, now, hits, later)]
-        self._admitted(seq, len(hits))
+        self.pool.reserve(seq.owner, now, hits, later)
+        seq.pages = self.pool.pages_of(seq.owner)
+        self._admitted(seq, hits)
         seq.status = SeqStatus.FETCHING
         self.fetching[seq.owner] = seq
         return True

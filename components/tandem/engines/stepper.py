@@ -32,6 +32,7 @@ from tandem.engines.handoff import Handoff, HandoffSpec
 from tandem.engines.grammars import Compiles, Deferred
 from tandem.engines.sampling import adjusts_logits, check_request, stop_ids
 from tandem.engines.scheduler import Scheduler, Sequence, SeqStatus
+from tandem.engines.host_tier import HostTier
 from tandem.engines.pages import PagePool
 from tandem.engines.prefix import page_keys, salt_root
 from tandem.engines.steps import StepDrivers
@@ -65,7 +66,7 @@ class Stepper(StepDrivers, Engine):
     def __init__(self, *, page_size: int, num_pages: int, max_batch: int,
                  output_mode: OutputMode | None, max_prefill_tokens: int,
                  handoff: HandoffSpec | None = None, prefix_cache: bool = True,
-                 check_pages: bool = False) -> None:
+                 check_pages: bool = False, host_pages: int = 0) -> None:
         output_mode = output_mode or self.output_mode
         if output_mode not in ("cumulative", "incremental"):
             raise ValueError(f"output_mode must be cumulative or incremental, not {output_mode!r}")
@@ -75,7 +76,8 @@ class Stepper(StepDrivers, Engine):
         self.num_pages = num_pages
         self.max_batch = max_batch
         self.output_mode = output_mode
-        self.pool = PagePool(num_pages, page_size, caching=prefix_cache)
+        self.pool = PagePool(num_pages, page_size, caching=prefix_cache,
+                             host=HostTier(host_pages) if host_pages and prefix_cache else None)
         self.check_pages = check_pages or os.environ.get(CHECK_ENV) == "1"
         self.on_kv_events = None  # (nobody takes KV events yet: the pool records none)
         self.broken = ""  # why the page accounting check failed: the engine takes no more work

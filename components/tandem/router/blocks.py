@@ -28,8 +28,8 @@ from typing import Protocol
 
 from tandem.runtime.wire import Load
 
-__all__ = ["ROOT", "Candidate", "Placement", "Policy", "block_keys", "chain", "least_loaded",
-           "load_key", "salt_root"]
+__all__ = ["ROOT", "Candidate", "Placement", "Policy", "block_keys", "chain", "host_credit",
+           "least_loaded", "load_key", "salt_root"]
 
 ROOT = 0  # the parent key of a sequence's first page
 _KEY_BYTES = 8
@@ -82,6 +82,18 @@ class Candidate(Protocol):
 
     @property
     def num_in_flight(self) -> int: ...
+
+
+def host_credit(load: Load, page_size: int) -> float:
+    """What a block a worker holds only in a lower tier (its host memory) is worth against one on
+    its device, from the worker's own measurements (its Load): the share of the block's compute
+    that loading it saves, 1 - load time / recompute time, in [0, 1]. A worker that measured no
+    compute yet (or publishes lower-tier events without measuring: another engine's offload) gets
+    1 when it measured no load time either (a load that costs nothing measurable), else 0."""
+    recompute = load.prefill_s_per_token * page_size
+    if recompute <= 0.0:
+        return 1.0 if load.host_load_s_per_page <= 0.0 else 0.0
+    return max(0.0, 1.0 - load.host_load_s_per_page / recompute)
 
 
 @dataclass(frozen=True, slots=True)

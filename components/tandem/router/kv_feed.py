@@ -221,6 +221,7 @@ class KvFeeds:
             "kv_index": "events" if index.events else "approximate (placements; no KV events)",
             "kv_events_applied": index.events_applied,
             "kv_index_blocks": index.size,
+            "kv_index_host_blocks": len(index.host),
             "kv_last_event_age_s": None if index.last_event_at is None
             else round(now - index.last_event_at, 3),
             "kv_event_gaps": events.gaps, "kv_index_resets": events.resets,
@@ -240,7 +241,10 @@ class KvFeeds:
                    "index (0 with the kv policy: the router routes on an empty index).",
                    per(lambda a: p.indexes[a].events_applied), ("worker",), kind="counter")
         r.callback("tandem_router_kv_index_blocks", "Blocks the router's index says the worker "
-                   "holds.", per(lambda a: p.indexes[a].size), ("worker",))
+                   "holds on its device.", per(lambda a: p.indexes[a].size), ("worker",))
+        r.callback("tandem_router_kv_index_host_blocks", "Blocks the router's index says the "
+                   "worker holds in a lower tier (its host memory).",
+                   per(lambda a: len(p.indexes[a].host)), ("worker",))
         r.callback("tandem_router_kv_last_event_age_seconds", "Seconds since the worker's last "
                    "KV event (absent before the first).",
                    lambda: [((a,), p.clock() - i.last_event_at) for a, i in list(p.indexes.items())

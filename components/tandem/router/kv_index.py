@@ -16,6 +16,13 @@ Per worker (`WorkerIndex`):
   (`approx_ttl_s`) for a worker that does not (an older worker, SGLang without
   `--kv-events-config`), whose index is then only this approximation (`/workers` says so).
 
+Tiers: an event's `medium` says where its blocks are. None or "GPU" (vLLM's name, whatever the
+device) is the device; any other ("CPU", a disk) is a lower tier, kept apart (`host`), so a block
+that moves (BlockRemoved in one medium, BlockStored in the other, as tandem's host tier and vLLM's
+offloading publish it) changes tier, and one held in both (vLLM keeps its device copy while
+offloading) is in both. `overlap` credits a lower tier's block by the worker's own `credit` (what a
+load saves against computing it, tandem.router.blocks.host_credit).
+
 The event stream's sequence numbers (`EventLog`): a batch that skips ahead means batches were
 lost; the index asks for a replay from the first missing one and holds what arrives meanwhile; if
 the replay cannot fill the gap (the worker no longer buffers it, or it failed), the worker's index
@@ -29,9 +36,10 @@ from collections.abc import Sequence
 from tandem.router.blocks import block_keys, salt_root
 from tandem.runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
-__all__ = ["EventLog", "WorkerIndex"]
+__all__ = ["DEVICE_MEDIA", "EventLog", "WorkerIndex"]
 
 PRUNE_EVERY = 1024  # placements between sweeps of expired predictions
+DEVICE_MEDIA = frozenset({None, "GPU", "gpu", "cuda", "CUDA"})  # the device tier's names
 
 
 class WorkerIndex:
@@ -42,6 +50,8 @@ class WorkerIndex:
         self.events = False  # the worker publishes KV events (its index is exact, not predicted)
         self.keys: dict[int, int] = {}  # router key -> how many engine blocks hold it
         self._key_of: dict[int, int] = {}  # engine hash -> router key
+        self.host: dict[int, int] = {}  # router key -> blocks holding it in a lower tier
+        self._host_key_of: dict[int, int] = {}  # engine hash -> router key, lower tiers
         self.predicted: dict[int, float] = {}  # router key -> expiry (monotonic seconds)
         self._placed = 0
         self.events_applied = 0
@@ -59,10 +69,13 @@ class WorkerIndex:
             if isinstance(ev, BlockStored):
                 self._stored(ev)
             elif isinstance(ev, BlockRemoved):
+                device = ev.medium in DEVICE_MEDIA
+                key_of, counts = (self._key_of, self.keys) if device else \
+                    (self._host_key_of, self.host)
                 for h in ev.block_hashes:
-                    key = self._key_of.pop(h, None)
+                    key = key_of.pop(h, None)
                     if key is not None:
-                        self._drop(key)
+                        _drop(counts, key)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()
             self.events_applied += 1
@@ -74,42 +87,44 @@ class WorkerIndex:
             self.unusable += 1
             return
         parent = salt_root(ev.cache_salt)  # (a first page: its sequence's root)
-        if ev.parent_block_hash is not None:
+        if ev.parent_block_hash is not None:  # (a parent may be in either tier)
             known = self._key_of.get(ev.parent_block_hash)
+            if known is None:
+                known = self._host_key_of.get(ev.parent_block_hash)
             if known is None:
                 self.unknown_parents += 1
                 return
             parent = known
-        keys = self.keys
+        key_of, keys = (self._key_of, self.keys) if ev.medium in DEVICE_MEDIA else \
+            (self._host_key_of, self.host)
         for h, key in zip(ev.block_hashes, block_keys(ev.token_ids, size, parent)):
-            old = self._key_of.get(h)
+            old = key_of.get(h)
             if old == key:
                 continue
             if old is not None:
-                self._drop(old)
-            self._key_of[h] = key
+                _drop(keys, old)
+            key_of[h] = key
             keys[key] = keys.get(key, 0) + 1
-
-    def _drop(self, key: int) -> None:
-        n = self.keys.get(key, 0) - 1
-        if n > 0:
-            self.keys[key] = n
-        else:
-            self.keys.pop(key, None)
 
     def clear(self) -> None:
         """Forget what the events said (AllBlocksCleared, or a reset after lost batches)."""
         self.keys.clear()
         self._key_of.clear()
+        self.host.clear()
+        self._host_key_of.clear()
 
     # --- placement --------------------------------------------------------------------------------
-    def overlap(self, keys: Sequence[int], now: float) -> int:
-        """How many of the leading `keys` the worker holds, or was recently given."""
-        held, predicted = self.keys, self.predicted
-        n = 0
+    def overlap(self, keys: Sequence[int], now: float, credit: float = 1.0) -> float:
+        """How many of the leading `keys` the worker holds, or was recently given; a block it
+        holds only in a lower tier counts `credit`."""
+        held, predicted, host = self.keys, self.predicted, self.host
+        n = 0.0
         for key in keys:
             if key in held:
                 n += 1
+                continue
+            if host and key in host:
+                n += credit
                 continue
             until = predicted.get(key)
             if until is None or until < now:
@@ -127,6 +142,14 @@ class WorkerIndex:
         if self._placed % PRUNE_EVERY == 0:
             for key in [k for k, t in predicted.items() if t < now]:
                 del predicted[key]
+
+
+def _drop(counts: dict[int, int], key: int) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
 
 
 class EventLog:

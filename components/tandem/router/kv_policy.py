@@ -12,8 +12,9 @@ queued ones in the same steps as the new one, so they delay it by less than thei
 counting them whole sends a request away from the worker that holds its prefix whenever that
 worker is computing another miss, which makes a second copy of the prefix elsewhere and evicts
 more. A running request costs a new one its share of every step (`decode_weight`, 32 tokens). "Does not
-hold": the prompt minus the leading full pages the worker's index has, or that this router placed
-there moments ago (siblings arriving before the first event), at most all pages but the last (a
+hold": the prompt minus the leading full pages the worker's index has (a page in its host tier
+counted at the worker's measured `host_credit`: the share of its compute a load saves), or that
+this router placed there moments ago (siblings arriving before the first event), at most all pages but the last (a
 worker always computes the last prompt token). The pending prefill counts only what the router
 predicted uncached for the requests it placed (tandem.router.accounting), so a worker that holds a
 hot prefix is not charged its full length per request; and because the load term grows with every
@@ -42,8 +43,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from tandem.config import RouterConfig
-from tandem.router.blocks import (Candidate, Placement, block_keys, least_loaded, load_key,
-                                   salt_root)
+from tandem.router.blocks import (Candidate, Placement, block_keys, host_credit, least_loaded,
+                                   load_key, salt_root)
 from tandem.router.kv_index import EventLog, WorkerIndex
 
 __all__ = ["KvAware"]
@@ -101,11 +102,13 @@ class KvAware:
         if hint is not None and hint[3] < now:
             hint = None
         best: Candidate | None = None
-        best_cost, best_overlap = 0.0, 0
+        best_cost, best_overlap = 0.0, 0.0
         cfg = self.config
         pw, qw, dw = cfg.kv_prefill_weight, cfg.kv_queue_weight, cfg.kv_decode_weight
         for c in candidates:
-            blocks = self.index(c.address, page_size).overlap(keys, now)
+            index = self.index(c.address, page_size)
+            blocks = index.overlap(keys, now, host_credit(c.load, page_size) if index.host
+                                   else 1.0)
             if hint is not None and hint[0] == c.address and hint[2] <= len(keys) and \
                     keys[hint[2] - 1] == hint[1]:
                 blocks = max(blocks, hint[2])  # the session's last turn, continued
@@ -117,7 +120,7 @@ class KvAware:
                 best, best_cost, best_overlap = c, cost, overlap
         assert best is not None
         self.seconds += time.perf_counter() - t0
-        return Placement(best, best_overlap)
+        return Placement(best, round(best_overlap))
 
     def served(self, role: str, placed: Placement, prompt_ids: list[int], page_size: int,
                session: str = "", salt: str = "") -> None:

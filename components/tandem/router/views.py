@@ -44,6 +44,11 @@ async def snapshot(links: Sequence[WorkerLink], leaving: Collection[str], placed
             "pages_cached": load.pages_cached,  # (of pages_free)
             "prefix_cache_queries": load.cache_queries,
             "prefix_cache_hits": load.cache_hits,
+            "host_pages_total": load.host_pages_total,
+            "host_pages_cached": load.host_pages_cached,
+            "prefix_cache_host_hits": load.host_hits,  # (of prefix_cache_hits)
+            "host_load_s_per_page": load.host_load_s_per_page,
+            "prefill_s_per_token": load.prefill_s_per_token,
             **(kv_feeds.row(w.address) if kv_feeds is not None else {}),
         })
     return out

@@ -13,7 +13,10 @@ time (nothing is mirrored on the hot path):
 - `tandem_worker_requests_in_flight` and `tandem_worker_draining`;
 - the engine's prefix cache, from its `load()` (vLLM's names): `tandem_prefix_cache_queries_total`
   (prompt tokens looked up at admission), `tandem_prefix_cache_hits_total` (of those, found
-  cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`;
+  cached), `tandem_kv_pages_cached` (cached pages nobody holds), `tandem_kv_pages_free`; with a
+  host tier, `tandem_prefix_cache_host_hits_total` (of the hits, loaded from it),
+  `tandem_kv_host_pages_cached`, and the costs a router weighs it by,
+  `tandem_kv_host_load_seconds_per_page` and `tandem_prefill_seconds_per_token`;
 - with KV events on (tandem.worker.kv_events): `tandem_worker_kv_events_published_total` (events in
   the batches the PUB socket took), `tandem_worker_kv_event_batches_published_total`,
   `tandem_worker_kv_event_batches_dropped_total` (not encodable, or the socket closed),
@@ -88,6 +91,14 @@ def worker_registry(num_requests: Callable[[], int], draining: Callable[[], bool
                  of("pages_cached"))
     reg.callback("tandem_kv_pages_free", "KV pages a new request can get (free or cached, less "
                  "those promised to running requests)", of("pages_free"))
+    reg.callback("tandem_prefix_cache_host_hits_total", "Of the prefix cache hits, prompt tokens "
+                 "loaded from the host tier", of("host_hits"), kind="counter")
+    reg.callback("tandem_kv_host_pages_cached", "Pages cached in the host tier",
+                 of("host_pages_cached"))
+    reg.callback("tandem_kv_host_load_seconds_per_page", "Measured seconds to load one page "
+                 "back from the host tier (moving average)", of("host_load_s_per_page"))
+    reg.callback("tandem_prefill_seconds_per_token", "Measured prefill seconds per token (moving "
+                 "average; with a host tier)", of("prefill_s_per_token"))
 
     def count(field: str) -> Callable[[], Samples]:
         def read() -> Samples:

@@ -124,6 +124,13 @@ class Load(_Msg):
     pages_cached: int = 0  # of pages_free: cached full pages nobody holds (evicted when needed)
     cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
     cache_hits: int = 0  # of those, found cached (not computed)
+    # The host tier (tandem.engines.host_tier; 0 when the worker has none), and what the engine
+    # measured: seconds to load one page back from it, and its prefill's seconds per token.
+    host_pages_total: int = 0
+    host_pages_cached: int = 0
+    host_hits: int = 0  # of cache_hits, loaded from the host tier
+    host_load_s_per_page: float = 0.0
+    prefill_s_per_token: float = 0.0
 
 
 class Usage(_Msg):

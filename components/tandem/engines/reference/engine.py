@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +38,7 @@ from tandem.config import WorkerConfig
 from tandem.engines.base import EngineError, EngineRequest, EngineRequestError, ModelSpec
 from tandem.engines.grammars import Deferred
 from tandem.engines.handoff import HandoffSpec
+from tandem.engines.host_tier import EWMA
 from tandem.engines.sampling import grammar_param
 from tandem.engines.reference.checkpoint import load_checkpoint, read_config
 from tandem.engines.reference.grammar import GrammarState, Grammars
@@ -68,7 +71,8 @@ class ReferenceEngine(Stepper):
                  compute_hook: ComputeHook | None = None,
                  prefix_cache: bool = WorkerConfig.prefix_cache,
                  check_pages: bool = WorkerConfig.check_kv,
-                 threads: int = WorkerConfig.threads) -> None:
+                 threads: int = WorkerConfig.threads,
+                 host_pages: int = WorkerConfig.host_kv_pages) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
         if page_size <= 0 or max_batch <= 0 or num_pages < 0:
@@ -95,7 +99,8 @@ class ReferenceEngine(Stepper):
             num_pages = min(max_batch * pages_per_context, by_memory)
         super().__init__(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                          output_mode=output_mode, max_prefill_tokens=max_prefill_tokens,
-                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages)
+                         handoff=handoff, prefix_cache=prefix_cache, check_pages=check_pages,
+                         host_pages=host_pages)
         self.compute_hook = compute_hook
         self.threads = threads
         self._model: Llama | None = None
@@ -110,6 +115,10 @@ class ReferenceEngine(Stepper):
     async def load_memory(self) -> torch.Tensor:
         self._model, kv = await asyncio.to_thread(self._load_model)
         self.kv = kv
+        host = self.pool.host
+        if host is not None:  # (no page is cached before the model is up: nothing to copy yet)
+            with self._lock:
+                host.copier = TensorCopies(kv, host.num_slots)
         return kv
 
     def _load_model(self) -> tuple[Llama, torch.Tensor]:
@@ -148,7 +157,18 @@ class ReferenceEngine(Stepper):
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # (where the math runs, before its first step)
         hook = self.compute_hook
-        return self.model_step(batch) if hook is None else hook(batch, self.model_step)
+        host = self.pool.host
+        if host is None or not batch.prefill:
+            return self.model_step(batch) if hook is None else hook(batch, self.model_step)
+        t0 = time.perf_counter()
+        tokens = self.model_step(batch) if hook is None else hook(batch, self.model_step)
+        # What the host tier weighs a load against: this step's seconds per token it computed
+        # (prompt tokens and decode rows alike; a moving average).
+        n = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill) + len(batch.decode)
+        per = (time.perf_counter() - t0) / max(1, n)
+        was = host.compute_s_per_token
+        host.compute_s_per_token = per if not was else (1 - EWMA) * was + EWMA * per
+        return tokens
 
     # --- compute (on the compute thread) ----------------------------------------------------------
     @torch.inference_mode()
@@ -188,6 +208,23 @@ class ReferenceEngine(Stepper):
             for i, lp in zip(asked, lps):
                 batch.logprobs[i] = lp
         return tokens
+
+
+class TensorCopies:
+    """The host tier's copier: a host tensor of `num_slots` pages in the KV cache's layout (pinned
+    when the cache is on a GPU), rows copied to and from the cache's pages."""
+
+    def __init__(self, kv: torch.Tensor, num_slots: int) -> None:
+        self.kv = kv
+        self.host = torch.empty((num_slots, *kv.shape[1:]), dtype=kv.dtype,
+                                pin_memory=kv.is_cuda)
+
+    def save(self, pages: Seq[int], slots: Seq[int]) -> None:
+        self.host[torch.tensor(slots)] = self.kv[torch.tensor(pages, device=self.kv.device)].cpu()
+
+    def load(self, slots: Seq[int], pages: Seq[int]) -> None:
+        rows = self.host[torch.tensor(slots)].to(self.kv.device)
+        self.kv[torch.tensor(pages, device=self.kv.device)] = rows
 
 
 def _in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
