@@ -275,9 +275,10 @@ class RouterConfig:
                                  "worker that publishes no KV events (its approximate index)",
                                  flag="--kv-approx-ttl", type=non_negative_float)
     pd_local_prefill_tokens: int = opt(0, "PD with the kv policy: a request whose prompt the "
-                                       "chosen decode worker lacks at most this many tokens of "
-                                       "is prefilled there, with no prefill worker (0 = never)",
-                                       type=non_negative_int)
+                                       "chosen decode worker lacks at most this many tokens of, "
+                                       "and fewer than the chosen prefill worker lacks (it holds "
+                                       "a previous turn's completion), is prefilled there, with "
+                                       "no prefill worker (0 = never)", type=non_negative_int)
     session_ttl_s: float = opt(300.0, "kv policy: seconds a session (X-Session-ID, "
                                "X-Correlation-ID or the request's user) prefers the worker of its "
                                "last turn", flag="--session-ttl", type=non_negative_float)

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--seed", type=int, default=1, help="workload seed (each level's is derived from it)")
     d = W.Params()
     for f in fields(W.Params):
-        if f.name in ("vocab",):
+        if f.name in ("vocab", "mock_vocab", "mock_eos"):
             continue
         a("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
           default=getattr(d, f.name), help=f"workload: {f.name} (default: {getattr(d, f.name)})")

@@ -15,6 +15,10 @@ policies, Dynamo) is sent the very same requests at the very same times.
   text), so re-tokenized answers would send each system different, differently growing prompts.
   Scripted, every system is sent the same prompts token for token; what an engine cached of its
   own completion is then never matched, on any system alike.
+- `multiturn-own`: `multiturn` with each answer the mock engine's own ids for its prompt
+  (tandem.engines.mock.mock_token, for the model's vocabulary and EOS ids: `mock_vocab`,
+  `mock_eos`): the next turn's prompt then holds the very completion the engine computed, so
+  what the decode worker cached of it can be reused (decode-held reuse; tandem's mock only).
 - `uniform`: a control with no shared prefix: random prompts of the shared workload's lengths.
 
 Each level draws its own groups and sessions (the level's seed), so a level starts cold for its own
@@ -28,7 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-WORKLOADS = ("shared", "multiturn", "uniform")
+WORKLOADS = ("shared", "multiturn", "uniform", "multiturn-own")  # (a level seed is its index)
 FIRST_ID = 3  # ids below are the tiny model's special tokens
 
 
@@ -52,6 +56,8 @@ class Params:
     user_max: int = 120
     think_s: float = 1.0  # mean think time between turns (exponential)
     answer_tokens: int = 32  # what each turn appends as its answer (bench_prefix: max_tokens)
+    mock_vocab: int = 0  # multiturn-own: the served model's vocabulary ...
+    mock_eos: list[int] = field(default_factory=list)  # ... and EOS ids (the mock avoids them)
 
 
 @dataclass
@@ -126,10 +132,29 @@ def multiturn(p: Params, rate: float, seed: int) -> list[Session]:
     return out
 
 
+def multiturn_own(p: Params, rate: float, seed: int) -> list[Session]:
+    """`multiturn`, each answer what tandem's mock engine generates for the turn's prompt."""
+    from tandem.engines.mock import mock_token
+
+    if not p.mock_vocab:
+        raise ValueError("multiturn-own needs mock_vocab (the served model's vocabulary)")
+    avoid = frozenset(p.mock_eos)
+    sessions = multiturn(p, rate, seed)
+    for s in sessions:
+        prompt, answers = list(s.turns[0]), []
+        for turn in s.turns[1:]:
+            answer = [mock_token(prompt, j, p.mock_vocab, avoid) for j in range(p.answer_tokens)]
+            answers.append(answer)
+            prompt += answer + turn
+        s.answers = answers
+    return sessions
+
+
 def make(workload: str, p: Params, rate: float, seed: int) -> list[Session]:
     if workload not in WORKLOADS:
         raise ValueError(f"workload {workload!r} is not one of {WORKLOADS}")
-    return {"shared": shared, "multiturn": multiturn, "uniform": uniform}[workload](p, rate, seed)
+    return {"shared": shared, "multiturn": multiturn, "multiturn-own": multiturn_own,
+            "uniform": uniform}[workload](p, rate, seed)
 
 
 def level_seed(base: int, workload: str, level: int) -> int:

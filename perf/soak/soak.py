@@ -65,6 +65,8 @@ class SoakConfig:
     decode_step_us: int = 20000
     prefill_us_per_token: int = 200
     rss_sample_s: float = 5.0
+    num_pages: int = 0  # KV pages per worker (0: the engine's default) ...
+    host_kv_pages: int = 0  # ... and a host tier of this many (0: none)
     # Logprob values may differ by this much (-1: 0 on the mock engine, whose values are exact;
     # 1e-4 on the reference engine, whose float results move by about 1e-6 with the batch a
     # sequence shares a step with, faults or not). Everything else is compared exactly.
@@ -106,10 +108,13 @@ def tolerance(cfg: SoakConfig) -> float:
 
 
 def worker_args(cfg: SoakConfig) -> list[str]:
+    pages = ["--num-pages", str(cfg.num_pages)] if cfg.num_pages else []
+    if cfg.host_kv_pages:
+        pages += ["--host-kv-pages", str(cfg.host_kv_pages)]
     if cfg.engine != "mock":
-        return []
+        return pages
     return ["--mock-decode-step-us", str(cfg.decode_step_us),
-            "--mock-prefill-us-per-token", str(cfg.prefill_us_per_token)]
+            "--mock-prefill-us-per-token", str(cfg.prefill_us_per_token), *pages]
 
 
 async def run_bodies(url: str, bodies: list[Body], concurrency: int,
@@ -314,12 +319,16 @@ def parse_args(argv: list[str] | None) -> SoakConfig:
                     help="how far logprob values may differ (default: 0 on mock, 1e-4 on "
                     "reference)")
     ap.add_argument("--log-dir", default="", help="the processes' logs (default: a temp dir)")
+    ap.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per worker "
+                    "(default 0: the engine's own)")
+    ap.add_argument("--host-kv-pages", type=int, default=d.host_kv_pages, help="a host tier "
+                    "of this many pages per worker (default 0: none)")
     a = ap.parse_args(argv)
     return SoakConfig(duration_s=a.duration, engine=a.engine, out=a.out, model=a.model,
                       concurrency=a.concurrency, pool_size=a.pool, seed=a.seed,
                       decode_step_us=a.decode_step_us, log_dir=a.log_dir,
-                      logprob_tolerance=a.logprob_tolerance,
-                      argv=list(sys.argv[1:] if argv is None else argv))
+                      logprob_tolerance=a.logprob_tolerance, num_pages=a.num_pages,
+                      host_kv_pages=a.host_kv_pages, argv=list(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: list[str] | None = None) -> int:

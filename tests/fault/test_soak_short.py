@@ -4,7 +4,9 @@ greedy or seeded, streams left mid-way) for 30 s while a decode worker, the pref
 frontend are each SIGKILLed and restarted once by the launcher's supervision. The same checks as
 the full soak: every completed answer equal to its fault-free answer, every fault back and
 serving, no failure outside a fault window (so none after the last restart), no restart the soak
-did not cause, every page free once idle, and every process's RSS within 10% of its start."""
+did not cause, every page free once idle, and every process's RSS within 10% of its start. The
+workers have a small KV pool (128 pages) and a host tier (96 pages), so cached pages move
+between the tiers throughout, every worker checking both tiers' accounting after every step."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from perf.soak.soak_report import verdict
 @pytest.mark.timeout(150)
 def test_a_short_soak_with_each_role_killed_once(tiny_model: str, tmp_path) -> None:
     cfg = soak.SoakConfig(duration_s=30.0, model=tiny_model, pool_size=48,
-                          log_dir=str(tmp_path / "logs"), write=False)
+                          log_dir=str(tmp_path / "logs"), write=False, num_pages=128,
+                          host_kv_pages=96)
     res = soak.run(cfg)
     detail = (f"{verdict(res)}\nfaults: {res['faults']}\nfailures: {res['failures']}\n"
               f"mismatches: {res['mismatch_examples']}\npages: {res['pages']}\nrss: {res['rss']}\n"

@@ -180,3 +180,40 @@ def test_the_plot_has_a_row_per_workload() -> None:
     titles = [a.get_title() for a in fig.axes]
     assert "shared: TTFT p50 (ms)" in titles and "uniform: 503 rate" in titles
     assert len(fig.axes) == 6
+
+
+def test_multiturn_own_answers_are_what_the_mock_engine_generates() -> None:
+    """Decode-held reuse needs the next turn to hold the engine's own completion: each scripted
+    answer is the mock's ids for the turn's whole prompt (as the mock computes them)."""
+    from dataclasses import replace
+
+    from tandem.engines.mock import mock_token
+
+    own = replace(P, mock_vocab=500, mock_eos=[2])
+    with pytest.raises(ValueError):
+        W.make("multiturn-own", P, 10.0, 7)  # (no vocabulary: no ids to predict)
+    sessions = W.make("multiturn-own", own, 10.0, 7)
+    plain = W.make("multiturn", own, 10.0, 7)
+    assert [s.turns for s in sessions] == [s.turns for s in plain]
+    for s in sessions:
+        prompt = list(s.turns[0])
+        for answer, turn in zip(s.answers, s.turns[1:]):
+            assert answer == [mock_token(prompt, j, 500, frozenset([2]))
+                              for j in range(own.answer_tokens)]
+            prompt += answer + turn
+
+
+def test_the_trace_is_scaled_the_same_way_for_every_arm() -> None:
+    from perf.prefix.bench_trace import scaled
+
+    lines = [{"timestamp": 1000, "input_length": 1100, "output_length": 500,
+              "hash_ids": [0, 1, 2]},
+             {"timestamp": 5000, "input_length": 6000, "output_length": 3,
+              "hash_ids": list(range(12))}]
+    out = scaled(lines, 64, 10, 64, 4.0)
+    assert [x["timestamp"] for x in out] == [0, 1000]
+    assert out[0]["hash_ids"] == [0, 1, 2] and out[1]["hash_ids"] == list(range(10))
+    # AIPerf's rule: (blocks - 1) * block < input <= blocks * block
+    assert out[0]["input_length"] == round(1100 * 64 / 512)
+    assert 9 * 64 < out[1]["input_length"] <= 10 * 64
+    assert [x["output_length"] for x in out] == [64, 3]

@@ -131,6 +131,38 @@ async def test_pd_picks_prefill_and_decode_each_within_its_role():
     assert pairs == [("tcp://w0", "tcp://w2"), ("tcp://w1", "tcp://w3"), ("tcp://w0", "tcp://w2")]
 
 
+async def test_pd_prefills_on_the_decode_worker_only_where_it_holds_more_of_the_prompt():
+    """Decode-held reuse (`--pd-local-prefill-tokens`): a follow-up turn whose prefix the decode
+    worker holds (its last turn's completion, which no prefill worker computed) is prefilled
+    there, with no prefill worker, when it lacks few tokens and fewer than the prefill worker;
+    a prefix both hold goes through the prefill worker as ever."""
+    from tandem.runtime.kv_events import BlockStored
+
+    pool = make_pool(["prefill", "decode"], policy="kv", pd_local_prefill_tokens=8)
+    prompt = list(range(10, 34))  # 24 tokens: 6 pages of 4
+
+    def holds(address: str, n_pages: int, first_hash: int) -> None:
+        index = pool.policy.index(address, PAGE)  # type: ignore[attr-defined]
+        index.events = True
+        index.apply([BlockStored(block_hashes=list(range(first_hash, first_hash + n_pages)),
+                                 parent_block_hash=None, token_ids=prompt[:n_pages * PAGE],
+                                 block_size=PAGE)], 0.0)
+
+    holds("tcp://w0", 2, 100)  # the prefill worker: the first turn's prompt
+    holds("tcp://w1", 5, 200)  # the decode worker: that and the answer (lacks 4 tokens)
+    s = await enter(pool, prompt)
+    assert list(s.workers) == ["tcp://w1"]  # local: one worker
+    await s.__aexit__(None, None, None)
+    holds("tcp://w0", 5, 300)  # the prefill worker holds as much: no reason to go local
+    s = await enter(pool, prompt)
+    assert sorted(s.workers) == ["tcp://w0", "tcp://w1"]
+    await s.__aexit__(None, None, None)
+    longer = prompt + list(range(40, 56))  # the decode worker now lacks 20 > 8 tokens
+    s = await enter(pool, longer)
+    assert sorted(s.workers) == ["tcp://w0", "tcp://w1"]
+    await s.__aexit__(None, None, None)
+
+
 # --- accounting -----------------------------------------------------------------------------------
 async def test_accounting_follows_a_request_from_start_to_end():
     pool = make_pool(["agg"])

@@ -240,8 +240,11 @@ class WorkerPool:
             p, p_placed, p_page = self._choose("prefill", ps, h)
             d, d_placed, d_page = self._choose("decode", ds, h)
             local = self.router.pd_local_prefill_tokens
-            if local and len(ids) - d_placed.cached_tokens <= local:
-                h.start(d)  # its uncached part is short: the decode worker prefills it itself
+            missing = len(ids) - d_placed.cached_tokens
+            if local and missing <= local and missing < len(ids) - p_placed.cached_tokens:
+                # Decode-held reuse: the decode worker holds more of the prompt than the prefill
+                # worker (its last turn's completion), and lacks little: it prefills that itself.
+                h.start(d)
                 self._count(d)
                 self.policy.served("decode", d_placed, ids, d_page, h.session, h.salt)
                 return h
