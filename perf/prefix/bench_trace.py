@@ -43,14 +43,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = ("tandem-host", "tandem", "dynamo-host", "dynamo")
@@ -84,11 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seq-us", type=float, default=100.0, help="mock decode µs per sequence in a step")
     a("--h2d-gbps", type=float, default=32.0, help="host tier load bandwidth, GB/s (Dynamo's "
       "default)")
+    a("--tandem-frontend-args", default="", help="more flags for tandem's frontend, one string "
+      "(the kv policy's knobs)")
     a("--aiperf", default="/work/peers/aiperf/bin/aiperf")
     a("--hf-home", default="/work/peers/hf-home")
     a("--tokenizer", default="local/smollm2", help="the tokenizer's repo name in --hf-home")
     a("--dynamo-python", default="/work/dynamo-venv/bin/python")
     a("--arm-timeout-s", type=float, default=900.0)
+    a("--report", default="", help="only write OUT.md again from this saved OUT.json")
     return p.parse_args(argv)
 
 
@@ -107,6 +108,26 @@ def scaled(lines: list[dict], block_tokens: int, max_blocks: int, max_output: in
                     "output_length": max(1, min(max_output, int(ln["output_length"]))),
                     "hash_ids": ids})
     return out
+
+
+def oracle_reuse(lines: list[dict], block_tokens: int) -> float:
+    """The share of the scaled trace's prompt tokens an infinite cache with perfect routing would
+    not compute: each prompt's leading blocks that an earlier prompt had (the same chain of
+    hash ids), a block's tokens each (the prompts' own tokens, before any chat template)."""
+    seen: set[tuple[int, ...]] = set()
+    reused = total = 0
+    for ln in lines:
+        total += ln["input_length"]
+        chain: tuple[int, ...] = ()
+        shared = True
+        for h in ln["hash_ids"]:
+            chain += (h,)
+            if shared and chain in seen:
+                reused += min(block_tokens, ln["input_length"] - (len(chain) - 1) * block_tokens)
+            else:
+                shared = False
+            seen.add(chain)
+    return reused / total if total else 0.0
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -166,7 +187,7 @@ def _tandem(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
         w += ["--host-kv-pages", str(spec["host_pages"]), "--mock-h2d-bytes-per-s",
               str(spec["h2d_gbps"] * 1e9)]
     c = launch(f"{spec['workers']}agg", spec["model"], os.path.join(out_dir, "logs"), w,
-               ["--router-policy", "kv"])
+               ["--router-policy", "kv", *spec["tandem_frontend_args"].split()])
     try:
         warm("127.0.0.1", c.port, spec["model_name"])
         row = _aiperf(spec, c.port, trace, out_dir)
@@ -186,69 +207,20 @@ def _tandem(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
 
 def _dynamo(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
     sys.path.insert(0, ROOT)
-    from perf.prefix.prefix_arms import _npz, warm
+    from perf.prefix.prefix_arms import dynamo_cluster
 
-    dpy, port = spec["dynamo_python"], 18124
-    npz = os.path.join(out_dir, "latency.npz")
-    _npz(dpy, npz, {"prefill_us": spec["prefill_us"], "step_us": spec["step_us"],
-                    "seq_us": spec["seq_us"]})
-    env = {**os.environ, "DYN_FILE_KV": tempfile.mkdtemp(prefix="dyn-kv-", dir=out_dir),
-           "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-           "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1"}
-    common = ["--discovery-backend", "file", "--event-plane", "zmq"]
-    mocker = [dpy, "-m", "dynamo.mocker", "--model-path", spec["model"], "--model-name",
-              spec["model_name"], "--num-workers", str(spec["workers"]), "--block-size",
-              str(spec["page_size"]), "--num-gpu-blocks-override", str(spec["num_pages"]),
-              "--max-num-seqs", str(spec["max_batch"]), "--max-num-batched-tokens", "65536",
-              "--planner-profile-data", npz, "--kv-bytes-per-token",
-              str(spec["kv_bytes_per_token"]), *common]
+    port = 18124
+    mocker = ["--kv-bytes-per-token", str(spec["kv_bytes_per_token"])]
     if host:
         mocker += ["--num-host-blocks", str(spec["host_pages"]),
                    "--host-offload-h2d-bandwidth-gbps", str(spec["h2d_gbps"])]
-    front = [dpy, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
-             "--router-mode", "kv", *common]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        def start(name: str, cmd: list[str]) -> None:
-            log = open(os.path.join(out_dir, f"{name}.log"), "wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir,
-                                          env={**env, "DYN_LOG": "warn" if name == "mocker"
-                                               else "info"}))
-
-        def wait(what: str, done: Any, within_s: float = 120.0) -> None:
-            t_end = time.monotonic() + within_s
-            while not done():
-                if any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"a Dynamo process exited waiting for {what}")
-                if time.monotonic() > t_end:
-                    raise RuntimeError(f"Dynamo: {what} not within {within_s:.0f} s")
-                time.sleep(0.5)
-
-        instances = os.path.join(env["DYN_FILE_KV"], "v1", "instances")
-        start("mocker", mocker)
-        wait("the mocker's workers", lambda: os.path.isdir(instances) and sum(
-            f.startswith("dynamo%2Fbackend%2Fgenerate%2F") for f in os.listdir(instances))
-            >= spec["workers"])
-        start("frontend", front)
-        want = f"members={spec['workers']}".encode()
-
-        def committed() -> bool:
-            with open(os.path.join(out_dir, "frontend.log"), "rb") as f:
-                return want in re.sub(rb"\x1b\[[0-9;]*m", b"", f.read())
-
-        wait("the frontend", committed)
-        warm("127.0.0.1", port, spec["model_name"])
+    with dynamo_cluster(spec["dynamo_python"], out_dir, model=spec["model"],
+                        model_name=spec["model_name"], workers=spec["workers"],
+                        page_size=spec["page_size"], num_pages=spec["num_pages"],
+                        max_batch=spec["max_batch"], port=port, mode="kv",
+                        timing={"prefill_us": spec["prefill_us"], "step_us": spec["step_us"],
+                                "seq_us": spec["seq_us"]}, mocker_args=mocker):
         return _aiperf(spec, port, trace, out_dir)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def _child(spec_path: str) -> None:
@@ -319,7 +291,10 @@ def report(args: argparse.Namespace, rows: list[dict], meta: dict) -> str:
         f"arms); mock timing {args.prefill_us:g} µs per computed prompt token, decode step "
         f"{args.step_us:g} µs + {args.seq_us:g} µs per sequence; host loads at "
         f"{args.h2d_gbps:g} GB/s, {meta['kv_bytes_per_token']} KV bytes per token. "
-        f"Medians of {args.runs} runs, arms in turn. AIPerf 0.13.0 as the client.",
+        f"Medians of {args.runs} runs, arms in turn. AIPerf 0.13.0 as the client. An infinite "
+        f"cache with perfect routing would not compute {meta['oracle_reuse']:.3f} of the "
+        f"prompts' own tokens (the hit rate's ceiling here, before the chat template's "
+        f"tokens).",
         "",
         "| arm | speedup | n | completed | failed % | TTFT p50 ms | TTFT p90 ms | prompt tokens "
         "| computed | hit rate | device hits | host hits | out tok/s |",
@@ -355,6 +330,19 @@ def report(args: argparse.Namespace, rows: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        meta = saved["meta"]
+        if "oracle_reuse" not in meta:
+            with open(args.trace) as f:
+                lines = [json.loads(ln) for _, ln in zip(range(args.requests), f)]
+            meta["oracle_reuse"] = oracle_reuse(scaled(
+                lines, args.block_tokens, args.max_blocks, args.max_output, 1.0),
+                args.block_tokens)
+        with open(args.out + ".md", "w") as f:
+            f.write(report(argparse.Namespace(**saved["args"]), saved["rows"], meta))
+        return
     with open(args.trace) as f:
         lines = [json.loads(ln) for _, ln in zip(range(args.requests), f)]
     work = tempfile.mkdtemp(prefix="bench-trace-")
@@ -366,16 +354,18 @@ def main(argv: list[str] | None = None) -> None:
             for ln in scaled(lines, args.block_tokens, args.max_blocks, args.max_output, sp):
                 f.write(json.dumps(ln) + "\n")
     arms = [a for a in args.arms.split(",") if a]
+    reuse = oracle_reuse(scaled(lines, args.block_tokens, args.max_blocks, args.max_output, 1.0),
+                         args.block_tokens)
     meta = {"argv": sys.argv[1:] if argv is None else argv,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} cores", "kv_bytes_per_token":
+            "machine": f"{os.cpu_count()} cores", "oracle_reuse": reuse, "kv_bytes_per_token":
             kv_bytes_per_token(args.model), "tree": subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                 text=True).stdout.strip()}
     base = {k: getattr(args, k) for k in (
         "model", "model_name", "workers", "page_size", "num_pages", "host_pages", "max_batch",
         "prefill_us", "step_us", "seq_us", "h2d_gbps", "aiperf", "hf_home", "tokenizer",
-        "dynamo_python", "block_tokens", "arm_timeout_s")}
+        "dynamo_python", "block_tokens", "arm_timeout_s", "tandem_frontend_args")}
     base["kv_bytes_per_token"] = meta["kv_bytes_per_token"]
     rows: list[dict] = []
     for run in range(args.runs):

@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -208,29 +209,28 @@ def _npz(dpy: str, path: str, timing: dict) -> None:
     subprocess.run([dpy, "-c", code, path, json.dumps(timing)], check=True, timeout=120)
 
 
-def _child(spec_path: str) -> None:
-    """Inside the namespace: start the mocker and the frontend, run the levels, stop them."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    args, mode, log_dir = spec["args"], spec["mode"], spec["log_dir"]
-    dpy = args["dynamo_python"]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+@contextmanager
+def dynamo_cluster(dpy: str, log_dir: str, *, model: str, model_name: str, workers: int,
+                   page_size: int, num_pages: int, max_batch: int, timing: dict, port: int,
+                   mode: str, mocker_args: Sequence[str] = (),
+                   front_args: Sequence[str] = ()) -> Iterator[dict[str, int]]:
+    """Dynamo 1.6.1's mocker (`workers` workers, tandem's mock `timing` as its latency table) and
+    frontend (`--router-mode mode`) on `port`, ready: every worker registered, the model
+    committed with all of them, a warm-up request answered. Run it inside a loopback-only
+    namespace (the module docstring). Yields the processes' PIDs by name; stops them by PID."""
     npz = os.path.join(log_dir, "latency.npz")
-    _npz(dpy, npz, args["timing"])
+    _npz(dpy, npz, timing)
     env = {**os.environ, "DYN_FILE_KV": tempfile.mkdtemp(prefix="dyn-kv-", dir=log_dir),
            "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1"}
     common = ["--discovery-backend", "file", "--event-plane", "zmq"]
-    mocker = [dpy, "-m", "dynamo.mocker", "--model-path", args["model"], "--model-name",
-              args["model_name"], "--num-workers", str(args["dynamo_workers"]), "--block-size",
-              str(args["params"]["page_size"]), "--num-gpu-blocks-override",
-              str(args["num_pages"]), "--max-num-seqs", str(args["max_batch"]),
-              "--max-num-batched-tokens", "65536", "--planner-profile-data", npz, *common]
+    mocker = [dpy, "-m", "dynamo.mocker", "--model-path", model, "--model-name", model_name,
+              "--num-workers", str(workers), "--block-size", str(page_size),
+              "--num-gpu-blocks-override", str(num_pages), "--max-num-seqs", str(max_batch),
+              "--max-num-batched-tokens", "65536", "--planner-profile-data", npz, *common,
+              *mocker_args]
     front = [dpy, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
-             str(DYNAMO_PORT), "--router-mode", mode, *common]
-    if mode == "kv":
-        front += ["--router-session-affinity-ttl-secs", "300",
-                  "--router-session-affinity-mode", "soft"]
+             str(port), "--router-mode", mode, *common, *front_args]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         def start(name: str, cmd: list[str]) -> None:
@@ -251,24 +251,48 @@ def _child(spec_path: str) -> None:
                     raise RuntimeError(f"Dynamo: {what} not within {within_s:.0f} s")
                 time.sleep(0.5)
 
-        n_workers = args["dynamo_workers"]
         instances = os.path.join(env["DYN_FILE_KV"], "v1", "instances")
         # Every worker registered before the frontend starts: a frontend that starts while they
         # register may commit the model with fewer of them and route to those alone.
         start("mocker", mocker)
-        wait(f"{n_workers} mocker workers registered", lambda: os.path.isdir(instances) and sum(
+        wait(f"{workers} mocker workers registered", lambda: os.path.isdir(instances) and sum(
             f.startswith("dynamo%2Fbackend%2Fgenerate%2F") for f in os.listdir(instances))
-            >= n_workers)
+            >= workers)
         start("frontend", front)
-        want = f"members={n_workers}".encode()
+        want = f"members={workers}".encode()
 
         def committed() -> bool:
             with open(os.path.join(log_dir, "frontend.log"), "rb") as f:
                 return want in re.sub(rb"\x1b\[[0-9;]*m", b"", f.read())
 
-        wait(f"the frontend committing the model with {n_workers} workers", committed)
-        warm("127.0.0.1", DYNAMO_PORT, args["model_name"])
-        pids = {n: p.pid for n, p in procs.items()}
+        wait(f"the frontend committing the model with {workers} workers", committed)
+        warm("127.0.0.1", port, model_name)
+        yield {n: p.pid for n, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _child(spec_path: str) -> None:
+    """Inside the namespace: start the mocker and the frontend, run the levels, stop them."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    args, mode, log_dir = spec["args"], spec["mode"], spec["log_dir"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    front = ["--router-session-affinity-ttl-secs", "300",
+             "--router-session-affinity-mode", "soft"] if mode == "kv" else []
+    with dynamo_cluster(args["dynamo_python"], log_dir, model=args["model"],
+                        model_name=args["model_name"], workers=args["dynamo_workers"],
+                        page_size=args["params"]["page_size"], num_pages=args["num_pages"],
+                        max_batch=args["max_batch"], timing=args["timing"], port=DYNAMO_PORT,
+                        mode=mode, front_args=front) as pids:
         url = f"http://127.0.0.1:{DYNAMO_PORT}"
 
         def probe() -> dict[str, Any]:
@@ -283,16 +307,6 @@ def _child(spec_path: str) -> None:
                           [tuple(x) for x in spec["levels"]], probe)  # type: ignore[misc]
         with open(spec["out"], "w") as f:
             json.dump(rows, f)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 if __name__ == "__main__":

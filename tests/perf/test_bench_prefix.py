@@ -217,3 +217,13 @@ def test_the_trace_is_scaled_the_same_way_for_every_arm() -> None:
     assert out[0]["input_length"] == round(1100 * 64 / 512)
     assert 9 * 64 < out[1]["input_length"] <= 10 * 64
     assert [x["output_length"] for x in out] == [64, 3]
+
+
+def test_the_trace_oracle_counts_only_leading_blocks_seen_before() -> None:
+    from perf.prefix.bench_trace import oracle_reuse
+
+    lines = [{"input_length": 128, "hash_ids": [0, 1]},
+             {"input_length": 160, "hash_ids": [0, 1, 2]},  # 2 blocks seen: 128 of 160
+             {"input_length": 100, "hash_ids": [0, 5]},  # 1 block: 64
+             {"input_length": 64, "hash_ids": [9]}]  # none
+    assert oracle_reuse(lines, 64) == pytest.approx((128 + 64) / (128 + 160 + 100 + 64))

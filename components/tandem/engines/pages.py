@@ -226,11 +226,7 @@ class PagePool(TierMoves):
             raise PagePoolError(f"{owner} already has pages")
         if not self.can_take(hits, num_new + later):
             raise PagePoolError(f"need {num_new + later} pages, {self.num_available} available")
-        pinned = self._pin(hits)
-        self._share([p for p in hits if p >= 0] if pinned else hits)
-        new = self._new(num_new + len(pinned))
-        if pinned:
-            hits, new = self._onload(hits, pinned, new), new[len(pinned):]
+        hits, new = self._with_hits(hits, num_new)
         for p in new:
             self._refs[p] = 1
         pages = self._held[owner] = [*hits, *new]
@@ -280,16 +276,23 @@ class PagePool(TierMoves):
             raise PagePoolError(f"{owner} already has pages")
         if not self.can_take(hits, num_pages + later):
             raise PagePoolError(f"need {num_pages + later} pages, {self.num_available} available")
-        pinned = self._pin(hits)
-        self._share([p for p in hits if p >= 0] if pinned else hits)
-        pages = self._new(num_pages + len(pinned))
-        if pinned:
-            hits, pages = self._onload(hits, pinned, pages), pages[len(pinned):]
+        hits, pages = self._with_hits(hits, num_pages)
         if hits:
             self._held[owner] = list(hits)
         self._reserved[owner] = pages
         self._promise(owner, later)
         return pages
+
+    def _with_hits(self, hits: Sequence[int], n: int) -> tuple[Sequence[int], list[int]]:
+        """Share the cached pages `hits` (a host tier's loaded into fresh pages first) and take
+        `n` new ones: (the hits as device pages, the new pages)."""
+        pinned = self._pin(hits)
+        if not pinned:
+            self._share(hits)
+            return hits, self._new(n)
+        self._share([p for p in hits if p >= 0])
+        new = self._new(n + len(pinned))
+        return self._onload(hits, pinned, new), new[len(pinned):]
 
     def _share(self, hits: Sequence[int]) -> None:
         refs, lru = self._refs, self._lru
