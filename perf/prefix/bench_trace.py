@@ -333,15 +333,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)
-        meta = saved["meta"]
+        meta, ran = saved["meta"], argparse.Namespace(**saved["args"])
         if "oracle_reuse" not in meta:
             with open(args.trace) as f:
-                lines = [json.loads(ln) for _, ln in zip(range(args.requests), f)]
+                lines = [json.loads(ln) for _, ln in zip(range(ran.requests), f)]
             meta["oracle_reuse"] = oracle_reuse(scaled(
-                lines, args.block_tokens, args.max_blocks, args.max_output, 1.0),
-                args.block_tokens)
+                lines, ran.block_tokens, ran.max_blocks, ran.max_output, 1.0),
+                ran.block_tokens)
         with open(args.out + ".md", "w") as f:
-            f.write(report(argparse.Namespace(**saved["args"]), saved["rows"], meta))
+            f.write(report(ran, saved["rows"], meta))
         return
     with open(args.trace) as f:
         lines = [json.loads(ln) for _, ln in zip(range(args.requests), f)]
