@@ -11,7 +11,8 @@ arms' order rotated per run:
 
 The workload is perf.prefix.prefix_workloads' `multiturn-own`: sessions whose next prompt is the
 previous prompt, the mock engine's own answer (its ids, so the cached completion matches) and a
-new user turn. Figures per level from the client (perf.prefix.prefix_drive): TTFT p50/p90, the
+new user turn. The cluster has keys (a decode worker caches KV it received only from a peer that
+authenticated: keyless, it caches nothing and there is nothing to reuse). Figures per level from the client (perf.prefix.prefix_drive): TTFT p50/p90, the
 prompt tokens not computed (usage.cached_tokens) and output tok/s; medians of `--runs`.
 
     python -m perf.prefix.bench_decode_reuse --out perf/results/decode_reuse
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from dataclasses import asdict
 
 from perf.prefix import prefix_workloads as W
 from perf.prefix.prefix_arms import tandem_arm
+from tandem.up import new_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "hit_rate", "output_tok_s", "ok", "requests")
@@ -73,18 +76,23 @@ def main(argv: list[str] | None = None) -> None:
     levels = [(i, r, W.level_seed(1, "multiturn-own", i)) for i, r in enumerate(rates)]
     rows: list[dict] = []
     names = list(arms)
-    for run in range(args.runs):
-        for arm in names[run % 2:] + names[:run % 2]:
-            spec = {"model": args.model, "model_name": os.path.basename(args.model.rstrip("/")),
-                    "params": asdict(params), "max_tokens": params.answer_tokens,
-                    "timeout_s": 120.0, "tandem_worker_args": worker,
-                    "tandem_frontend_args": arms[arm]}
-            print(f"run {run} {arm}", flush=True)
-            with tempfile.TemporaryDirectory(prefix="decode-reuse-") as d:
-                for row in tandem_arm(spec, args.shape, "kv", "multiturn-own", levels, d):
-                    rows.append({**row, "arm": arm, "run": run})
-            with open(args.out + ".json", "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    keys = new_keys()
+    try:
+        for run in range(args.runs):
+            for arm in names[run % 2:] + names[:run % 2]:
+                spec = {"model": args.model,
+                        "model_name": os.path.basename(args.model.rstrip("/")),
+                        "params": asdict(params), "max_tokens": params.answer_tokens,
+                        "timeout_s": 120.0, "tandem_worker_args": worker,
+                        "tandem_frontend_args": arms[arm], "keys": keys}
+                print(f"run {run} {arm}", flush=True)
+                with tempfile.TemporaryDirectory(prefix="decode-reuse-") as d:
+                    for row in tandem_arm(spec, args.shape, "kv", "multiturn-own", levels, d):
+                        rows.append({**row, "arm": arm, "run": run})
+                with open(args.out + ".json", "w") as f:
+                    json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     lines = ["# Decode-held reuse in PD on multi-turn chat (the last answer's KV, held by the "

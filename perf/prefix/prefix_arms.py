@@ -135,7 +135,8 @@ def tandem_arm(args: dict, shape: str, policy: str, workload: str, levels: list[
     from tandem.launcher import get_json
 
     c = launch(shape, args["model"], log_dir, args["tandem_worker_args"],
-               ["--router-policy", policy, *args.get("tandem_frontend_args", [])])
+               ["--router-policy", policy, *args.get("tandem_frontend_args", [])],
+               keys=args.get("keys", ""))
     url = c.url
     pids = {("frontend" if n == "frontend" else "workers:" + n): p.pid
             for n, p in c.procs.items()}
