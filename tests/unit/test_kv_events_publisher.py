@@ -231,6 +231,30 @@ async def test_close_is_safe_twice_and_publish_after_it_does_nothing() -> None:
     assert p.next_seq == 0 and p.events_addr == ""
 
 
+async def test_a_replay_task_that_dies_takes_the_worker_down(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Supervised: the replay answers' task dying is fatal (outside `run`, as here, `crash`
+    logs it), never a worker that publishes on with no replay; a normal close is not."""
+    from tandem.runtime import lifecycle
+    from tandem.worker.kv_replay import ReplayServer
+
+    async for _ in publisher():  # (start and close, nothing wrong)
+        pass
+    assert "fatal" not in caplog.text
+
+    async def boom(self: ReplayServer) -> None:
+        raise RuntimeError("replay answers broke")
+
+    monkeypatch.setattr(ReplayServer, "run", boom)
+    monkeypatch.setattr(lifecycle._Process, "crashed", False)  # (restored after the test)
+    async for _ in publisher():
+        for _ in range(100):  # (the task runs, and dies, at the loop's next passes)
+            if "fatal" in caplog.text:
+                break
+            await asyncio.sleep(0)
+    assert "fatal: task kv-replay-answers died" in caplog.text
+
+
 async def test_advertised_host_and_fixed_ports() -> None:
     from tandem.ports import free_port
 

@@ -118,7 +118,9 @@ class KvEventPublisher:
         self._live: Outlet[LiveOut] | None = None
         self._replay: Replay | None = None
         self.replays: ReplayServer | None = None  # (from `start()`)
-        self._tasks = TaskGroup()  # the replay server and the handshake counters
+        # The replay server, its answers and the handshake counters: a death is fatal (the worker
+        # would go on publishing with no replay, and every router that lost a batch would reset).
+        self._tasks = TaskGroup(supervised=True)
         self._warn = Throttled(log)
 
     @property
@@ -155,10 +157,10 @@ class KvEventPublisher:
         """Stop serving and close both sockets (their monitors first); safe twice, and after a
         failed or no `start()`."""
         replay, live, self._replay, self._live = self._replay, self._live, None, None
+        await self._tasks.close()  # (before the sockets: a task on a closed one would fail)
         for end in (replay, live):
             if end is not None:
                 end.close()
-        await self._tasks.close()
 
     # --- live -------------------------------------------------------------------------------------
     def publish(self, events: Sequence[KvEvent]) -> None:
