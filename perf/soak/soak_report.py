@@ -91,7 +91,8 @@ def summarize(*, cfg: Any, pool: list, records: list, faults: list, t0: float, l
                   for r in restarts if (r.name, r.old_pid) not in killed]
     pages = [{k: w.get(k) for k in ("name", "role", "state", "placed", "pages_free",
                                     "pages_total", "pages_reserved", "running", "waiting",
-                                    "in_flight")} for w in rows]
+                                    "in_flight", "host_pages_cached", "prefix_cache_host_hits")}
+             for w in rows]
     leaked = sum((w["pages_total"] - w["pages_free"]) + (w["pages_reserved"] or 0)
                  for w in rows) if rows else None
     rss = _rss_table(rss_start, rss_end, faults, samples)

@@ -31,3 +31,7 @@ def test_a_short_soak_with_each_role_killed_once(tiny_model: str, tmp_path) -> N
     assert res["passed"], detail
     assert res["mismatches"] == 0 and res["failures"]["after_last_restart"] == 0, detail
     assert res["pages"]["leaked"] == 0, detail
+    # (the host tier was in use: pages moved into it, and some came back as hits)
+    workers = [w for w in res["pages"]["workers"] if w.get("role") != "frontend"]
+    assert any(w["host_pages_cached"] for w in workers), detail
+    assert any(w["prefix_cache_host_hits"] for w in workers), detail
