@@ -174,7 +174,6 @@ def _aiperf(spec: dict, port: int, trace: str, out_dir: str) -> dict:
 
 
 def _tandem(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
-    sys.path.insert(0, ROOT)
     from perf.common.launch import launch
     from perf.prefix.prefix_arms import warm
     from tandem.launcher import get_json
@@ -206,7 +205,6 @@ def _tandem(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
 
 
 def _dynamo(spec: dict, host: bool, trace: str, out_dir: str) -> dict:
-    sys.path.insert(0, ROOT)
     from perf.prefix.prefix_arms import dynamo_cluster
 
     port = 18124

@@ -116,21 +116,12 @@ async def test_a_dropped_compile_leaves_the_queue() -> None:
 # --- the reference engine: a compile past its deadline is killed ----------------------------------
 
 def slow_schema(depth: int = 60) -> str:
-    """Objects nested `depth` deep, each with strings of distinct maxLengths: xgrammar 0.2.8 spends
-    long on each distinct rule (0.85 s at depth 20 on the tiny model, seconds past it)."""
-    k = 0
+    """Objects nested `depth` deep, each with strings of distinct maxLengths (the benchmark's
+    costly shape): xgrammar 0.2.8 spends long on each distinct rule (0.85 s at depth 20 on the
+    tiny model, seconds past it)."""
+    from perf.micro.bench_grammar_compile import distinct
 
-    def level(d: int) -> dict[str, Any]:
-        nonlocal k
-        props: dict[str, Any] = {}
-        for i in range(3):
-            k += 1
-            props[f"s{i}"] = {"type": "string", "maxLength": 5 + k}
-        if d:
-            props["child"] = level(d - 1)
-        return {"type": "object", "properties": props, "required": list(props),
-                "additionalProperties": False}
-    return json.dumps(level(depth))
+    return json.dumps(distinct(depth))
 
 
 @pytest.fixture
