@@ -163,6 +163,64 @@ async def test_pd_prefills_on_the_decode_worker_only_where_it_holds_more_of_the_
     await s.__aexit__(None, None, None)
 
 
+async def test_kv_policy_waits_at_the_full_worker_that_holds_the_prefix_when_the_rest_fits():
+    """A worker short of free pages for the whole prompt still takes it from the kv policy when
+    what it lacks fits (its cached prefix is its own): the next turn waits there rather than be
+    computed again elsewhere. When what it lacks does not fit, the request goes to a worker with
+    room; with none, it waits in the frontend's queue. A policy that does not predict is never
+    offered the short worker."""
+    from tandem.runtime.kv_events import BlockStored
+
+    prompt = list(range(10, 26))  # 16 tokens: 4 pages of 4, of which 3 may be cached
+
+    def holds(pool: WorkerPool, address: str, n_pages: int) -> None:
+        index = pool.policy.index(address, PAGE)  # type: ignore[attr-defined]
+        index.events = True
+        index.apply([BlockStored(block_hashes=list(range(100, 100 + n_pages)),
+                                 parent_block_hash=None, token_ids=prompt[:n_pages * PAGE],
+                                 block_size=PAGE)], 0.0)
+
+    pool = make_pool(["agg", "agg"], policy="kv", pages=10)
+    w0, w1 = pool.links
+    w0.on_load(LoadReport(0, Load(pages_free=2, pages_total=10)))  # 2 < 4, but it lacks 1
+    w1.on_load(LoadReport(0, Load(pages_free=10, pages_total=10)))
+    holds(pool, "tcp://w0", 3)
+    s = await enter(pool, prompt)
+    assert worker_of(s) == "tcp://w0" and w0.pending_prefill_tokens == PAGE
+    await s.__aexit__(None, None, None)
+    w0.on_load(LoadReport(1, Load(pages_free=0, pages_total=10)))  # now it lacks room for 1 too
+    s = await enter(pool, prompt)
+    assert worker_of(s) == "tcp://w1"
+    await s.__aexit__(None, None, None)
+
+    # one worker, short even of what it lacks: the request waits in the frontend's queue
+    alone = make_pool(["agg"], policy="kv", pages=10)
+    (only,) = alone.links
+    only.on_load(LoadReport(0, Load(pages_free=0, pages_total=10)))
+    holds(alone, "tcp://w0", 3)
+    waiting = asyncio.create_task(enter(alone, prompt))
+    for _ in range(100):  # (until the task reaches the queue)
+        if alone.num_queued:
+            break
+        await asyncio.sleep(0)
+    assert alone.num_queued == 1 and not waiting.done()
+    only.on_load(LoadReport(1, Load(pages_free=1, pages_total=10)))
+    s = await asyncio.wait_for(waiting, 1)
+    assert worker_of(s) == "tcp://w0"
+    await s.__aexit__(None, None, None)
+
+    # least-loaded predicts nothing: the short worker is no candidate, however idle
+    ll = make_pool(["agg", "agg"], policy="least-loaded", pages=10)
+    a, b = ll.links
+    a.on_load(LoadReport(0, Load(pages_free=0, pages_total=10)))
+    busy = await enter(ll, [1])
+    assert worker_of(busy) == "tcp://w1"  # b is now busier by one request, but has room
+    s = await enter(ll, prompt)
+    assert worker_of(s) == "tcp://w1"
+    await s.__aexit__(None, None, None)
+    await busy.__aexit__(None, None, None)
+
+
 # --- accounting -----------------------------------------------------------------------------------
 async def test_accounting_follows_a_request_from_start_to_end():
     pool = make_pool(["agg"])
@@ -213,8 +271,11 @@ async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
     c = pool.links[0]
     c.on_load(LoadReport(0, Load(pages_free=2, pages_total=10)))
     waiting = asyncio.create_task(enter(pool, list(range(4 * PAGE))))  # needs 4 pages
-    await asyncio.sleep(0.01)
-    assert not waiting.done()
+    for _ in range(100):  # (until the task reaches the queue)
+        if pool.num_queued:
+            break
+        await asyncio.sleep(0)
+    assert pool.num_queued == 1 and not waiting.done()
     c.on_load(LoadReport(0, Load(pages_free=6, pages_total=10)))
     await asyncio.wait_for(waiting, 1)
     # a prompt bigger than the whole worker is let through: the worker refuses it itself

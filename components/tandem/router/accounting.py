@@ -63,11 +63,24 @@ class WorkerAccount:
         share.prefill_tokens = share.decode_tokens = 0
 
 
-def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
-             num_tokens: int) -> bool:
-    """Under the per-worker limits, with enough free pages for the prompt (a prompt bigger than the
-    whole worker is let through: the worker refuses it itself). A worker whose last report says it
-    is draining takes nothing.
+def can_place(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
+              num_tokens: int) -> bool:
+    """Under the per-worker limits (requests in flight, pending prefill tokens); not draining (a
+    worker whose last report says it is draining takes nothing). Pages are `has_pages`'s."""
+    if getattr(load, "draining", False):
+        return False
+    if limits.max_inflight_per_worker and account.num_in_flight >= limits.max_inflight_per_worker:
+        return False
+    limit = limits.max_pending_prefill_tokens_per_worker
+    pending = account.pending_prefill_tokens
+    return not (limit and info.role != "decode" and pending and pending + num_tokens > limit)
+
+
+def has_pages(account: WorkerAccount, info: WorkerInfo, load: Load, num_tokens: int,
+              cached: int = 0) -> bool:
+    """Free pages for the prompt's pages less the `cached` tokens' full pages (what the router
+    predicts the worker holds on its device: 0 asks for the whole prompt). A prompt bigger than
+    the whole worker is let through: the worker refuses it itself.
 
     Free pages: the last report's, less those of the prompts this router sent there whose prefill
     has not come back (`pending_prefill_tokens`, uncached part only): the report may not count them
@@ -75,20 +88,18 @@ def can_take(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, loa
     placed between two reports reads the same free pages, so a wake would send the whole admission
     queue to the first worker that reported room (perf/results/admission_page_gate_probe.md). A
     prompt already admitted and still prefilling is counted twice until its first token: the gate
-    errs toward holding a request in the frontend's queue a step longer."""
-    if getattr(load, "draining", False):
-        return False
-    if limits.max_inflight_per_worker and account.num_in_flight >= limits.max_inflight_per_worker:
-        return False
-    limit = limits.max_pending_prefill_tokens_per_worker
-    pending = account.pending_prefill_tokens
-    if limit and info.role != "decode" and pending and pending + num_tokens > limit:
-        return False
+    errs toward holding a request in the frontend's queue a step longer. A cached prefix that sits
+    unheld in the worker's pool is counted among its free pages by the report, so asking only for
+    the rest lets the request wait at the worker that holds its prefix (its engine admits it when
+    pages free) rather than be computed again elsewhere (perf/results/trace_mooncake.md)."""
     total = load.pages_total
     size = info.page_size
     need = -(-num_tokens // size)
-    free = load.pages_free - (-(-pending // size) if info.role != "decode" else 0)
-    return not (total and need <= total and free < need)
+    if not total or need > total:
+        return True
+    pending = account.pending_prefill_tokens if info.role != "decode" else 0
+    free = load.pages_free - -(-pending // size)
+    return free >= need - cached // size
 
 
 STREAK_BACKOFF_S = (0.5, 30.0)  # first and longest wait before a failing worker is tried again

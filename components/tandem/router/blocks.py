@@ -107,10 +107,17 @@ class Placement:
 
 
 class Policy(Protocol):
-    """Which of the candidates of one role (all can take the request, in the pool's stable order)
+    """Which of the candidates of one role (all under their limits, in the pool's stable order)
     serves it. `session`: the request's conversation key ("" for none); `salt`: its cache salt
     ("" for none: a policy that keys prefixes roots them at `salt_root(salt)`). `served` is told the
-    placement the pool made; `forget` that a worker left."""
+    placement the pool made; `forget` that a worker left.
+
+    `predicts`: whether `choose`'s `Placement.cached_tokens` predicts what the chosen worker holds.
+    A policy that predicts is offered, besides the workers with free pages for the whole prompt,
+    those short of them, and keeps its choice of one when the rest of the prompt fits there; one
+    that does not is offered only the first (tandem.router.pool, `_choose`)."""
+
+    predicts: bool
 
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
                page_size: int, session: str = "", salt: str = "") -> Placement: ...

@@ -25,7 +25,14 @@ regardless of load.
 Sessions (`session`: from `X-Session-ID`, `X-Correlation-ID` and similar headers, or the request's
 `user`): the worker that served a session's last turn is assumed to hold that turn's prompt when
 the new prompt continues it, for `session_ttl_s` after the last turn. A preference through the cost,
-never a pin: a full worker is not a candidate at all, and a cheaper one still wins.
+never a pin: a cheaper worker still wins.
+
+Full workers: the pool offers this policy the workers short of free pages for the whole prompt too,
+and keeps its choice of one when the prompt's rest (less the overlap it predicted) fits there; so
+a conversation's next turn waits at the worker that holds its last turn, in its engine's queue,
+rather than be computed again on another (perf/results/trace_mooncake.md). A host-tier block's
+overlap counts at its credit, though loading it takes a device page: the engine, not the router,
+holds the request until the page is free.
 
 `auto` (the default policy): this rule among candidates of which one publishes KV events, and
 least-loaded among candidates none of which does (SGLang without `--kv-events-config`, an older
@@ -51,6 +58,8 @@ __all__ = ["KvAware"]
 
 
 class KvAware:
+    predicts = True
+
     def __init__(self, config: RouterConfig, *, auto: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config

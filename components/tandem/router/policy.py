@@ -31,6 +31,8 @@ __all__ = ["LeastLoaded", "PrefixAffinity", "RoundRobin", "make_policy"]
 
 
 class LeastLoaded:
+    predicts = False
+
     def choose(self, role: str, candidates: Sequence[Candidate], prompt_ids: list[int],
                page_size: int, session: str = "", salt: str = "") -> Placement:
         return Placement(least_loaded(candidates))
@@ -44,6 +46,8 @@ class LeastLoaded:
 
 
 class RoundRobin:
+    predicts = False
+
     def __init__(self, order: Sequence[str]) -> None:
         self._rank = {a: i for i, a in enumerate(order)}
         self._last: dict[str, int] = {}  # role -> rank of the worker chosen last
@@ -69,6 +73,8 @@ class RoundRobin:
 
 
 class PrefixAffinity:
+    predicts = False
+
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
         self._owner: dict[str, OrderedDict[int, str]] = {}  # role -> block key -> worker address

@@ -36,7 +36,7 @@ from typing import Any
 
 from tandem.config import RETRY_AFTER_S, RouterConfig
 from tandem.router import views
-from tandem.router.accounting import can_take
+from tandem.router.accounting import can_place, has_pages
 from tandem.router.admission import AdmissionQueue
 from tandem.router.discovery import Change
 from tandem.router.link import WorkerChannel, WorkerLink
@@ -205,24 +205,51 @@ class WorkerPool:
         serving = self._serving()
         return "agg" in serving or ("prefill" in serving and "decode" in serving)
 
-    def _candidates(self, links: list[WorkerLink], prompt_ids: list[int]) -> list[WorkerLink]:
-        """Those of `links` with room for the prompt; of those, the ones not in a failure streak
-        (router.accounting.FailureStreak) if there are any."""
-        n, limits = len(prompt_ids), self.router
-        room = [w for w in links
-                if w.info is not None and can_take(limits, w.account, w.info, w.load, n)]
-        if any(w.streak.count for w in room):
+    def _candidates(self, links: list[WorkerLink], prompt_ids: list[int]
+                    ) -> tuple[list[WorkerLink], list[WorkerLink]]:
+        """Those of `links` under their limits (router.accounting.can_place), split into those
+        with free pages for the whole prompt and those without (`has_pages`; the second list is
+        empty for a policy that does not predict what workers hold, blocks.Policy.predicts).
+        Workers in a failure streak (router.accounting.FailureStreak) are left out of the second
+        list, and of the first when any other there is well."""
+        n, limits, offer_short = len(prompt_ids), self.router, self.policy.predicts
+        room: list[WorkerLink] = []
+        short: list[WorkerLink] = []
+        for w in links:
+            info = w.info
+            if info is not None and can_place(limits, w.account, info, w.load, n):
+                if has_pages(w.account, info, w.load, n):
+                    room.append(w)
+                elif offer_short:
+                    short.append(w)
+        if any(w.streak.count for w in room) or any(w.streak.count for w in short):
             well = [w for w in room if not w.streak.avoid(w.clock())]
-            return well or room
-        return room
+            short = [w for w in short if not w.streak.avoid(w.clock())]
+            return well or room, short
+        return room, short
 
-    def _choose(self, role: str, candidates: list[WorkerLink], h: RequestHandle
-                ) -> tuple[WorkerLink, Placement, int]:
-        page_size = candidates[0].info.page_size  # type: ignore[union-attr]
-        placed = self.policy.choose(role, candidates, h.prompt_ids, page_size, h.session,
-                                    h.salt)
+    def _choose(self, role: str, candidates: tuple[list[WorkerLink], list[WorkerLink]],
+                h: RequestHandle) -> tuple[WorkerLink, Placement, int] | None:
+        """The policy's choice among both of `_candidates`' lists, or None when none can take
+        the request now. A worker short of pages for the whole prompt is kept when the rest,
+        less the tokens the policy predicts it holds, fits (router.accounting.has_pages); when it
+        does not, the policy chooses again among those with room for the whole prompt."""
+        room, short = candidates
+        if not room and not short:
+            return None
+        ids = h.prompt_ids
+        page_size = (room or short)[0].info.page_size  # type: ignore[union-attr]
+        placed = self.policy.choose(role, room + short if short else room, ids, page_size,
+                                    h.session, h.salt)
         chosen = placed.worker
-        assert isinstance(chosen, WorkerLink)
+        assert isinstance(chosen, WorkerLink) and chosen.info is not None
+        if short and chosen in short and not has_pages(chosen.account, chosen.info, chosen.load,
+                                                       len(ids), placed.cached_tokens):
+            if not room:
+                return None
+            placed = self.policy.choose(role, room, ids, page_size, h.session, h.salt)
+            chosen = placed.worker
+            assert isinstance(chosen, WorkerLink)
         if role != "decode":  # the accounting's pending prefill: what it will compute
             h.cached_hint = placed.cached_tokens
         return chosen, placed, page_size
@@ -234,11 +261,13 @@ class WorkerPool:
         serving = self._serving()
         prefill, decode = serving.get("prefill"), serving.get("decode")
         if prefill and decode:
-            ps, ds = self._candidates(prefill, ids), self._candidates(decode, ids)
-            if not ps or not ds:
+            p_choice = self._choose("prefill", self._candidates(prefill, ids), h)
+            d_choice = self._choose("decode", self._candidates(decode, ids), h) \
+                if p_choice is not None else None
+            if p_choice is None or d_choice is None:
                 return None
-            p, p_placed, p_page = self._choose("prefill", ps, h)
-            d, d_placed, d_page = self._choose("decode", ds, h)
+            p, p_placed, p_page = p_choice
+            d, d_placed, d_page = d_choice
             local = self.router.pd_local_prefill_tokens
             missing = len(ids) - d_placed.cached_tokens
             if local and missing <= local and missing < len(ids) - p_placed.cached_tokens:
@@ -256,10 +285,10 @@ class WorkerPool:
         agg_links = serving.get("agg")
         if not agg_links:
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        aggs = self._candidates(agg_links, ids)
-        if not aggs:
+        choice = self._choose("agg", self._candidates(agg_links, ids), h)
+        if choice is None:
             return None
-        agg, placed, page = self._choose("agg", aggs, h)
+        agg, placed, page = choice
         h.start(agg)
         self._count(agg)
         self.policy.served("agg", placed, ids, page, h.session, h.salt)
