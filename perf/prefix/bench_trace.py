@@ -7,6 +7,9 @@ under its kv router, with the same trace, client, pool sizes, timing model and h
 
     python -m perf.prefix.bench_trace --trace PATH/conversation_trace.jsonl --out perf/results/trace_mooncake
 
+LMCache's multi-round QA shape runs the same way from a trace perf.prefix.qa_trace writes
+(`--trace qa_trace.jsonl`).
+
 The trace is scaled to this machine, the same way for every arm (`scaled`): its first
 `--requests` lines, each block `--block-tokens` tokens instead of 512 (AIPerf's `--isl-block-size`),
 at most `--max-blocks` blocks (a prompt keeps its leading ones, so what it shares is kept) and
@@ -277,12 +280,12 @@ def medians(rows: list[dict]) -> dict[tuple[str, float], dict[str, float]]:
 def report(args: argparse.Namespace, rows: list[dict], meta: dict) -> str:
     med = medians(rows)
     lines = [
-        "# Mooncake's conversation trace: tandem's host tier and kv router against Dynamo 1.6.1's",
+        f"# {_trace_title(args.trace)}: tandem's host tier and kv router against Dynamo 1.6.1's",
         "",
         f"`python -m perf.prefix.bench_trace {' '.join(meta['argv'])}`",
         "",
         f"{meta['date']}, {meta['machine']}; tree {meta['tree']}. Trace: the first "
-        f"{args.requests} requests of conversation_trace.jsonl, blocks of {args.block_tokens} "
+        f"{args.requests} requests of {os.path.basename(args.trace)}, blocks of {args.block_tokens} "
         f"tokens (the trace's are 512), at most {args.max_blocks} blocks and {args.max_output} "
         f"output tokens; timestamps / speedup. {args.workers} workers, {args.num_pages} device "
         f"pages of {args.page_size} tokens each, host tier {args.host_pages} pages (the -host "
@@ -324,6 +327,15 @@ def report(args: argparse.Namespace, rows: list[dict], meta: dict) -> str:
         lines += [f"- {r['arm']} speedup {r['speedup']:g} run {r['run']}: {r['error'][:300]}"
                   for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _trace_title(path: str) -> str:
+    name = os.path.basename(path)
+    if name == "conversation_trace.jsonl":
+        return "Mooncake's conversation trace"
+    if name.startswith("qa_trace"):
+        return "LMCache's multi-round QA shape (perf.prefix.qa_trace)"
+    return name
 
 
 def main(argv: list[str] | None = None) -> None:

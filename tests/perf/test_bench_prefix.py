@@ -227,3 +227,30 @@ def test_the_trace_oracle_counts_only_leading_blocks_seen_before() -> None:
              {"input_length": 100, "hash_ids": [0, 5]},  # 1 block: 64
              {"input_length": 64, "hash_ids": [9]}]  # none
     assert oracle_reuse(lines, 64) == pytest.approx((128 + 64) / (128 + 160 + 100 + 64))
+
+
+def test_the_multi_round_qa_trace_has_lmcache_s_shape() -> None:
+    """perf.prefix.qa_trace: each user's prompts share the system blocks with every user, carry
+    its own history and every earlier question and answer, and come `users / qps` apart; a user
+    that asked its last round gives its slot to a new one; the lines are in time order."""
+    from perf.prefix.qa_trace import BLOCK, lines
+
+    out = list(lines(users=3, rounds=2, qps=1.5, total_users=5, system_blocks=2,
+                     history_blocks=3, question_blocks=1, answer_blocks=2, answer_tokens=7))
+    assert len(out) == 5 * 2
+    assert [ln["timestamp"] for ln in out] == sorted(ln["timestamp"] for ln in out)
+    assert all(ln["hash_ids"][:2] == [0, 1] and ln["output_length"] == 7 for ln in out)
+    assert all(ln["input_length"] == len(ln["hash_ids"]) * BLOCK for ln in out)
+    by_user: dict[int, list[dict]] = {}
+    for ln in out:  # a user's first own block (its history) names it
+        by_user.setdefault(ln["hash_ids"][2], []).append(ln)
+    assert len(by_user) == 5
+    for turns in by_user.values():
+        first, second = turns
+        assert len(first["hash_ids"]) == 2 + 3 + 1
+        # the second round: the first's prompt, its answer (2 blocks) and a new question
+        assert second["hash_ids"][:6] == first["hash_ids"] and len(second["hash_ids"]) == 6 + 3
+        assert second["timestamp"] - first["timestamp"] == 2000  # 3 users / 1.5 req/s
+    starts = sorted(turns[0]["timestamp"] for turns in by_user.values())
+    assert starts == [0, 667, 1333, 4000, 4667]  # slots staggered; users 3 and 4 follow 0 and 1
+    assert len({h for ln in out for h in ln["hash_ids"][2:]}) == 5 * (3 + 1 + 2 + 1)

@@ -219,3 +219,39 @@ async def test_the_frontend_passes_tenant_and_priority(tiny_model: str) -> None:
         assert r.status_code == 200
     (t1, p1), (t2, p2) = pool.tenants
     assert (p1, p2) == (-5, 0) and t1 and t2 and t1 != t2
+
+
+async def test_tenant_and_salt_digests_are_keyed_by_the_cluster_secret(
+        tiny_model: str, tmp_path: Path) -> None:
+    """A frontend with cluster keys keys its identity digests with a key derived from the secret
+    (tandem.runtime.auth.digest_key): the digest a worker, a KV event or a metric carries cannot
+    be recomputed from a guessed user name without the secret; the same secret gives the same
+    digests (every frontend of a cluster agrees), another cluster's different ones."""
+    from tandem.frontend.salt import Salter
+    from tandem.runtime.auth import digest_key, write_keys
+
+    write_keys(tmp_path / "a")
+    write_keys(tmp_path / "b")
+    ka, kb = digest_key(str(tmp_path / "a")), digest_key(str(tmp_path / "b"))
+    assert len(ka) == 32 and ka != kb and digest_key("") == b""
+    assert digest_key(str(tmp_path / "a")) == ka
+    scope = {"headers": [(b"authorization", b"Bearer sk-abc")], "client": None}
+    plain = tenant_of(scope, "", ("key",))
+    keyed = tenant_of(scope, "", ("key",), ka)
+    assert keyed not in (plain, tenant_of(scope, "", ("key",), kb))
+    assert Salter("user", ka)([], "alice", None) not in (
+        Salter("user")([], "alice", None), Salter("user", kb)([], "alice", None))
+
+    pool = FakePool()
+    cfg = FrontendConfig(model="/models/tiny", served_model_name="tiny", cache_salt_by="user",
+                         auth_keys=str(tmp_path / "a"))
+    app = FrontendApp(cfg, pool, Preprocessor(tiny_model, "tiny"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                   "user": "alice"},
+                         headers={"Authorization": "Bearer sk-abc"})
+        assert r.status_code == 200
+    ((tenant, _),) = pool.tenants
+    assert tenant == keyed
+    assert pool.salts == [Salter("user", ka)([], "alice", None)]

@@ -36,6 +36,7 @@ from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, R
                                   watch_disconnect)
 from tandem.frontend.limits import BodyBudget
 from tandem.frontend.tenants import tenant_of
+from tandem.runtime.auth import digest_key
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.preprocess import Preprocessor
@@ -92,7 +93,8 @@ class FrontendApp:
         self.draining = False  # set on shutdown: /health says 503 and new requests are refused
         self._work: set[asyncio.Task[None]] = set()  # in-flight generation requests
         self.prepare = Prepare(config, preprocessor, self._max_context, lambda: pool.max_context)
-        self.salter = Salter(config.cache_salt_by)
+        self.digest_key = digest_key(config.auth_keys)  # (keys tenants' and salts' digests)
+        self.salter = Salter(config.cache_salt_by, self.digest_key)
         self.created = int(time.time())
         self.traffic = Traffic()
         self._stats: asyncio.Task[None] | None = None  # the summary logger, started on use
@@ -174,7 +176,7 @@ class FrontendApp:
                 raise errors.Unavailable("The server is shutting down.", retry_after=1)
             job = await self.prepare.job(kind, await self._body(scope, receive), t0)
             session = session_of(scope, job.user)
-            tenant = tenant_of(scope, job.user, self.config.tenant_by)
+            tenant = tenant_of(scope, job.user, self.config.tenant_by, self.digest_key)
             salt = self.salter(scope["headers"], job.user, job.cache_salt)
             handles = [self.pool.open(c.prompt_ids, c.sampling, session, tenant, job.priority,
                                       salt)

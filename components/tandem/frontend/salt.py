@@ -5,8 +5,10 @@ Two sources, combined: the client's own `cache_salt` (vLLM's request field: a no
 and the tenant the server partitions by (`--cache-salt-by`: `none`, `user` (the body's `user`),
 `api-key` (the bearer token of the Authorization header, as a gateway in front that checks keys
 passes it on) or `header:NAME` (that header's value)). The salt a request carries to its workers
-(`Generate.cache_salt`) is a digest of both (BLAKE2b, 128 bits, hex): a tenant's value is never
-sent, published or logged in clear. "" (no salt: the shared partition) when neither applies. A
+(`Generate.cache_salt`) is a digest of both (BLAKE2b, 128 bits, hex, keyed with a key derived
+from the cluster's secret: tandem.runtime.auth.digest_key, unkeyed in a keyless cluster): a
+tenant's value is never sent, published or logged in clear, and the digest its KV events carry
+cannot be tested against a guessed value without the cluster's secret. "" (no salt: the shared partition) when neither applies. A
 request of a partitioned server that lacks the tenant's value (no `user`, no key, no header) is
 in the partition of the empty value: the anonymous tenant's.
 
@@ -30,8 +32,9 @@ MAX_CLIENT_SALT_CHARS = 1024
 class Salter:
     """The salt of each request, by the server's `--cache-salt-by`."""
 
-    def __init__(self, by: str = "none") -> None:
+    def __init__(self, by: str = "none", key: bytes = b"") -> None:
         self.by = salt_source(by)
+        self.key = key  # (tandem.runtime.auth.digest_key)
         self._header = self.by[len("header:"):].encode() if self.by.startswith("header:") else b""
 
     def tenant(self, headers: list[tuple[bytes, bytes]], user: str) -> bytes | None:
@@ -54,7 +57,7 @@ class Salter:
         tenant = self.tenant(headers, user)
         if tenant is None and client_salt is None:
             return ""
-        h = blake2b(b"tandem cache partition\0", digest_size=16)
+        h = blake2b(b"tandem cache partition\0", digest_size=16, key=self.key)
         if tenant is not None:
             h.update(b"tenant\0" + self.by.encode() + b"\0" + len(tenant).to_bytes(8, "little")
                      + tenant)

@@ -10,7 +10,10 @@ grammar compiles, tandem.engines.waiting and tandem.engines.grammars).
 With none found, the request belongs to the anonymous tenant ("": every such request together).
 
 What travels to the workers (`Generate.tenant`) is a 128-bit BLAKE2b digest of the source and
-the value, in hex: a worker, its logs and its metrics never see an API key.
+the value, in hex, keyed with a key derived from the cluster's secret
+(tandem.runtime.auth.digest_key; unkeyed in a keyless cluster): a worker, its logs and its metrics
+never see an API key, and nobody without the cluster's secret can test a guessed value against
+a digest.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ def parse_sources(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def tenant_of(scope: Scope, user: str, sources: tuple[str, ...]) -> str:
-    """The request's tenant: the digest of the first identity `sources` find ("" for none)."""
+def tenant_of(scope: Scope, user: str, sources: tuple[str, ...], key: bytes = b"") -> str:
+    """The request's tenant: the digest of the first identity `sources` find ("" for none),
+    keyed with `key` (tandem.runtime.auth.digest_key)."""
     for source in sources:
         value = _value(scope, user, source)
         if value:
             raw = f"{source}\0{value[:MAX_VALUE_CHARS]}".encode("utf-8", "surrogateescape")
-            return hashlib.blake2b(raw, digest_size=16).hexdigest()
+            return hashlib.blake2b(raw, digest_size=16, key=key).hexdigest()
     return ""
 
 

@@ -19,6 +19,7 @@ side counts and logs it, the connecting side says why its connection dropped
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
@@ -75,6 +76,18 @@ def load_keys(directory: str | os.PathLike[str]) -> ClusterKeys:
         log.warning("the cluster's secret key %s can be read by other users (mode %o): anyone "
                     "who reads it can join the cluster; `chmod 600` it", secret_file, mode)
     return ClusterKeys(public, secret)
+
+
+def digest_key(directory: str) -> bytes:
+    """The key of the digests a frontend makes of identities (tenants, cache partitions:
+    tandem.frontend.tenants and tandem.frontend.salt), derived from the cluster's secret key in
+    `directory` ("": none, b""). The digests travel to workers, their KV events and metrics; keyed,
+    nobody without the cluster's secret can test a guessed value (a low-entropy user name)
+    against one. Every frontend of a cluster derives the same key, so their digests agree."""
+    if not directory:
+        return b""
+    return hashlib.blake2b(load_keys(directory).secret, digest_size=32,
+                           person=b"tandem digests").digest()
 
 
 def default_keys_dir() -> Path:
