@@ -165,6 +165,44 @@ async def test_one_tenant_alone_keeps_the_whole_batch(mock_dir: str) -> None:
         await engine.shutdown()
 
 
+def test_the_pool_s_last_pages_wait_for_a_tenant_with_nothing_admitted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tenant cannot fill the KV pool while another shares the worker: a's ninth request
+    would leave 1 of 64 pages, under the 1/16 kept (4), so it waits; b's request, arriving
+    while a's eight run, is admitted at the next step instead of waiting for one of a's to end.
+    A worker that serves one tenant gives it the whole pool (nine admitted)."""
+    from tandem.engines import waiting
+    from tandem.engines.scheduler import Scheduler, Sequence
+
+    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
+        lambda: 1000.0)}))  # (every tenant seen within the window: no wall clock)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def seq(rid: str, tenant: str, n_prompt: int) -> Sequence:
+        return Sequence(rid=rid, prompt_ids=list(range(1, n_prompt + 1)), stop_ids=frozenset(),
+                        max_total=n_prompt + 4, sampling=sp, tenant=tenant)
+
+    def admit(s: Scheduler, *seqs: Sequence) -> list[str]:
+        for q in seqs:
+            s.add(q)
+        return [q.rid for q in s.schedule().prefill]
+
+    shared = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
+    b0 = seq("b0", "b", 4)
+    assert admit(shared, b0) == ["b0"]
+    shared.finish(b0, "length")  # b was here and left: nothing of b's admitted
+    flood = [seq(f"a{i}", "a", 24) for i in range(9)]  # 7 pages each (prompt 6, 1 promised)
+    assert admit(shared, *flood) == [f"a{i}" for i in range(8)]  # 56 pages; the 9th would leave 1
+    assert admit(shared, seq("b1", "b", 4)) == ["b1"]  # 2 pages of the 8 left: at once
+    assert shared.num_waiting == 1  # (a8)
+    for q in flood[:8]:
+        shared.finish(q, "length")
+    assert admit(shared) == ["a8"]
+
+    alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
+    assert len(admit(alone, *[seq(f"a{i}", "a", 24) for i in range(9)])) == 9
+
+
 # --- eviction: a prefix others reuse outlives one tenant's unique prompts (N7) --------------------
 
 def test_unique_prompts_do_not_evict_a_reused_prefix() -> None:

@@ -142,13 +142,18 @@ class PagePool(TierMoves):
         return pages
 
     def can_take(self, hits: Sequence[int], num_new: int) -> bool:
-        """Whether `take(owner, hits, num_new)` would succeed (taking an unheld cached page makes
-        it unavailable for the new ones)."""
+        """Whether `take(owner, hits, num_new)` would succeed."""
+        return self.spare(hits, num_new) >= 0
+
+    def spare(self, hits: Sequence[int], num_new: int) -> int:
+        """The pages a new request could still get after `take(owner, hits, num_new)`; negative:
+        that many too few for it (taking an unheld cached page makes it unavailable for the new
+        ones)."""
         lru = self._lru
         pinned = sum(1 for p in hits if p in lru) if lru else 0
         if self.host is not None:  # (a host page needs a device page to load into)
             num_new += sum(1 for p in hits if p < 0)
-        return num_new <= len(self._free) + len(lru) - pinned - self.num_promised
+        return len(self._free) + len(lru) - pinned - self.num_promised - num_new
 
     def publish(self, pages: Sequence[int], keys: Sequence[int], start: int, end: int,
                 tokens: Callable[[int, int], list[int]], salt: str = "") -> None:

@@ -4,7 +4,8 @@ the reference engine, its step thread's and the loop's, under the stepper's lock
 (tandem.engines.stepper).
 
 A sequence is admitted from the waiting queue (by priority, then fairly across tenants, then in
-arrival order: tandem.engines.waiting) only when the pool can give it pages for
+arrival order, the batch's last place and the pool's last pages kept for a tenant with nothing
+admitted: tandem.engines.waiting) only when the pool can give it pages for
 `max_total` tokens: its prompt's pages now, the rest promised (tandem.engines.pages), each taken
 when a decode step first writes into it, so decode never runs out of pages mid-request and no
 cached page is evicted before it must be. A step is: the running sequences that are ready to
@@ -204,7 +205,7 @@ class Scheduler:
                 batch.reserved.append(seq)
                 continue
             new_tokens = len(seq.prompt_ids) - len(hits) * size
-            if not pool.can_take(hits, now + later) or (batch.prefill and new_tokens > budget):
+            if not self._fits(seq, hits, now + later) or (batch.prefill and new_tokens > budget):
                 break
             self.waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
@@ -255,8 +256,16 @@ class Scheduler:
         else:
             seq.num_cached = seq.cached_tokens = num_hits * pool.page_size
 
+    def _fits(self, seq: Sequence, hits: list[int], num_pages: int) -> bool:
+        """The pool can give `seq` (the head) its pages, and its tenant may take them (the pool's
+        last pages are kept for another tenant while tenants share: tandem.engines.waiting)."""
+        spare = self.pool.spare(hits, num_pages)
+        return spare >= 0 and not self.waiting.held_back(
+            seq, self.max_batch - len(self.running) - len(self.fetching), spare,
+            self.pool.num_pages)
+
     def _reserve(self, seq: Sequence, hits: list[int], now: int, later: int) -> bool:
-        if not self.pool.can_take(hits, now + later):
+        if not self._fits(seq, hits, now + later):
             return False
         self.waiting.pop(seq)
         self.pool.reserve(seq.owner, now, hits, later)

@@ -7,10 +7,10 @@
 3. then arrival.
 
 While more than one tenant has sent work within `TENANT_WINDOW_S`, the last `HEADROOM` places of
-the batch go only to a tenant with nothing admitted (`held_back`): a client that arrives while
-another fills the batch starts at the next step, instead of waiting for one of the other's
-requests to end. A worker that serves one tenant (one client, or none named) keeps its whole
-batch for it.
+the batch, and the last `PAGE_HEADROOM` of the KV pool's pages, go only to a tenant with nothing
+admitted (`held_back`): a client that arrives while another fills the batch or the pool starts at
+the next step, instead of waiting for one of the other's requests to end. A worker that serves
+one tenant (one client, or none named) keeps its whole batch and pool for it.
 
 Each tenant's sequences wait in a heap of (priority, arrival); choosing the next looks at each
 tenant's first only, so it costs the number of tenants waiting, and with one tenant (every
@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 HEADROOM = 1  # batch places kept for a tenant with nothing admitted, while tenants share
+PAGE_HEADROOM = 1 / 16  # of the pool's pages, kept for a tenant with nothing admitted, likewise
 TENANT_WINDOW_S = 30.0  # tenants share the engine while two sent work within this long
 
 
@@ -70,9 +71,13 @@ class WaitQueue:
         tenant = min(heaps, key=lambda t: (heaps[t][0][0], admitted.get(t, 0), heaps[t][0][1]))
         return heaps[tenant][0][2]
 
-    def held_back(self, seq: Any, places_left: int) -> bool:
-        """Whether `seq` (the head) must leave the batch's last places to another tenant."""
-        if places_left > HEADROOM or not self.admitted.get(seq.tenant):
+    def held_back(self, seq: Any, places_left: int, pages_left: int | None = None,
+                  num_pages: int = 0) -> bool:
+        """Whether `seq` (the head) must leave the batch's last places, or the pool's last pages,
+        to another tenant: `places_left`, the batch places free before it; `pages_left`, the
+        pages that would be free after it took its own (None: not known yet) of `num_pages`."""
+        if not self.admitted.get(seq.tenant) or (places_left > HEADROOM and (
+                pages_left is None or pages_left >= num_pages * PAGE_HEADROOM)):
             return False
         now = time.monotonic()
         return sum(now - at <= TENANT_WINDOW_S for at in self._seen.values()) > 1
