@@ -159,7 +159,9 @@ class WorkerConfig(MockTiming, Common):
     max_batch: int = opt(64, "most requests an engine runs at once; more wait in its queue",
                          type=positive_int)
     max_prefill_tokens: int = opt(0, "mock and reference engines: most prompt tokens prefilled in "
-                                  "one step, at least one prompt (vLLM's max-num-batched-tokens; "
+                                  "one step; a longer prompt is prefilled in chunks over several "
+                                  "steps, the one in progress first (chunked prefill: vLLM's "
+                                  "max-num-batched-tokens, SGLang's --chunked-prefill-size; "
                                   "0 = the engine's own: reference 4096, mock unlimited)",
                                   type=non_negative_int)
     prefix_cache: bool = opt(True, "mock and reference engines: keep computed full KV pages, "

@@ -183,9 +183,14 @@ def test_the_pool_s_last_pages_wait_for_a_tenant_with_nothing_admitted(
                         max_total=n_prompt + 4, sampling=sp, tenant=tenant)
 
     def admit(s: Scheduler, *seqs: Sequence) -> list[str]:
+        """Queue `seqs`, run one step's schedule; the prompts it admitted are computed."""
         for q in seqs:
             s.add(q)
-        return [q.rid for q in s.schedule().prefill]
+        batch = s.schedule()
+        for q in batch.all():
+            q.in_flight = False
+            q.num_cached = len(q.prompt_ids) + len(q.output_ids)
+        return [q.rid for q in batch.prefill]
 
     shared = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
     b0 = seq("b0", "b", 4)

@@ -449,3 +449,46 @@ async def test_logit_bias_outside_the_vocabulary_is_refused(engine: ReferenceEng
         with pytest.raises(EngineRequestError) as e:
             start(engine, "bad", PROMPT, logit_bias=bias)
         assert e.value.param == "logit_bias"
+
+
+async def test_chunked_prefill_gives_the_same_tokens_and_logprobs(make_engine: MakeEngine,
+                                                                  model_dir: Path) -> None:
+    """`max_prefill_tokens` 5: a 42-token prompt is prefilled 5 tokens a step (its first token
+    sampled with its last chunk), no step computes more than 5 prompt tokens, and every answer
+    (greedy, seeded, logprobs) equals the unchunked engine's; no page leaks."""
+    from tandem.engines.reference.model import Llama
+    from tandem.engines.scheduler import Scheduler
+
+    whole = await make_engine()
+    steps: list[list[tuple[str, int, bool]]] = []
+
+    def record(batch: Batch, step: Compute) -> list[int]:
+        steps.append([(s.rid, s.prefill_end - s.num_cached, Scheduler.samples(s))
+                      for s in batch.prefill])
+        assert Scheduler.prefill_tokens(batch) <= 5
+        return step(batch)
+
+    chunked = await make_engine(max_prefill_tokens=5, compute_hook=record)
+    long = OTHERS[1]  # 42 tokens
+    want = await tokens(whole, long, max_tokens=8, **GREEDY)
+    sink = Recorder(chunked)
+    runs = [start(chunked, "long", long, sink, max_tokens=8, logprobs=3, **GREEDY),
+            start(chunked, "short", OTHERS[0], sink, max_tokens=4, **GREEDY),
+            start(chunked, "seeded", PROMPT, sink, max_tokens=6, temperature=1.0, seed=9)]
+    for r in runs:
+        await finished(r)
+    assert runs[0].ids == want
+    check_logprobs(Llama.from_checkpoint(model_dir), long, runs[0], 3)
+    assert runs[1].ids == await tokens(whole, OTHERS[0], max_tokens=4, **GREEDY)
+    assert runs[2].ids == await tokens(whole, PROMPT, max_tokens=6, temperature=1.0, seed=9)
+    longs = [(n, last) for step in steps for rid, n, last in step if rid == "long"]
+    assert [n for n, _ in longs] == [5] * 8 + [2] and [last for _, last in longs] == \
+        [False] * 8 + [True]
+    # the chunk in progress goes first in each step; the short request (2 tokens) rides the
+    # long prompt's last chunk (2 of the budget's 5), and the seeded one takes the last token
+    # of that step's budget, then the rest of its prompt in the next
+    last_long = max(i for i, step in enumerate(steps) if any(r == "long" for r, *_ in step))
+    assert steps[last_long] == [("long", 2, True), ("short", 2, True), ("seeded", 1, False)]
+    assert steps[last_long + 1][0] == ("seeded", 5, True)
+    await wait_idle(chunked)
+    assert chunked.pool.idle() and chunked.pool.num_held == 0

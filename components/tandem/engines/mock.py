@@ -39,7 +39,7 @@ from tandem.config import MockTiming, WorkerConfig
 from tandem.engines.base import EngineRequest, ModelSpec
 from tandem.engines.handoff import HandoffSpec
 from tandem.engines.sampling import adjusts_logits
-from tandem.engines.scheduler import Batch, Sequence
+from tandem.engines.scheduler import Batch, Scheduler, Sequence
 from tandem.engines.grammars import refuse
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
@@ -182,12 +182,14 @@ class MockEngine(Stepper):
         refuse(req.sampling, self.name, ": it produces no real text")
 
     async def run(self, batch: Batch) -> list[int]:
-        num_prompt_tokens = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill)
+        num_prompt_tokens = Scheduler.prefill_tokens(batch)
         # A PD prefill worker's sequences only compute their prompt (and sample the first token
-        # with it): no decode step. Aggregated, a sequence prefilled now decodes in this step.
+        # with it): no decode step. Aggregated, a sequence whose prompt (or its last chunk) is
+        # prefilled now decodes in this step.
         prefill = batch.prefill
         num_decoding = len(batch.decode) + (
-            sum(1 for s in prefill if s.pd != "prefill") if prefill else 0)
+            sum(1 for s in prefill if s.pd != "prefill" and Scheduler.samples(s))
+            if prefill else 0)
         cost = self.timing.step_cost(num_prompt_tokens, num_decoding) + self._copies.owed()
         # The step's tokens come out when its compute would have finished (sleep(0): a yield).
         await asyncio.sleep(cost)

@@ -102,6 +102,9 @@ def postprocess(name: str, sched: Scheduler, seqs: list[Sequence], tokens: list[
             continue
         out = seq.output_ids
         n_prompt = len(seq.prompt_ids)
+        if not sched.samples(seq):  # a prompt's chunk, not its last: no token (the step's
+            seq.num_cached = seq.prefill_end  # for it is not one)
+            continue
         seq.num_cached = n_prompt + len(out)  # the K/V of every token before this one
         if seq.num_cached >= seq.publish_at:  # its prompt is computed: cache its full pages
             sched.publish(seq)

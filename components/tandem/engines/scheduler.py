@@ -9,11 +9,19 @@ admitted: tandem.engines.waiting) only when the pool can give it pages for
 `max_total` tokens: its prompt's pages now, the rest promised (tandem.engines.pages), each taken
 when a decode step first writes into it, so decode never runs out of pages mid-request and no
 cached page is evicted before it must be. A step is: the running sequences that are ready to
-decode, plus newly admitted ones to prefill.
+decode, plus prompts to prefill: first the next chunk of those prefilled part way, then newly
+admitted ones, as far as the step's prefill budget (`max_prefill_tokens`) goes.
+
+Chunked prefill: a prompt longer than what is left of the budget computes that much of itself
+(`prefill_end`) and the rest in later steps, the next chunk first in each, before anything new
+is admitted; it samples its first token with its last chunk. So a step's prefill costs at most
+the budget, and a short request admitted behind a long prompt does not wait for all of it, nor
+ride one step that computes all of it (vLLM's chunked prefill under max-num-batched-tokens;
+SGLang's --chunked-prefill-size). Its pages are taken whole at admission, as for any prompt.
 
 Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_cached]` sit in
-`pages`. Prefill computes `tokens[num_cached:]` and samples the first output token; decode feeds
-`tokens[-1]` at position `num_tokens - 1`.
+`pages`. Prefill computes `tokens[num_cached:prefill_end]`, and samples the first output token when
+`prefill_end` is the prompt's end; decode feeds `tokens[-1]` at position `num_tokens - 1`.
 
 Disaggregated serving (`pd`): a prefill-only sequence ("prefill") holds pages for its prompt only;
 after its prefill step it leaves the batch as SENDING, keeping its pages until its KV has been sent.
@@ -68,6 +76,7 @@ class Sequence:
     pd: str = ""  # "" aggregated, "prefill" (prefill-only) or "decode" (K/V arrives by transfer)
     status: SeqStatus = SeqStatus.WAITING
     num_cached: int = 0
+    prefill_end: int = 0  # while a step prefills it: its prompt tokens computed when it ends
     publish_at: int = NEVER  # num_cached at which its prompt's full pages are cached
     stop_ids: frozenset[int]  # a sampled id in here finishes it with "stop"
     resume: int = 0  # the last `resume` prompt ids are completion tokens of an earlier leg
@@ -183,6 +192,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Pick the next step's work and mark it in flight."""
         decode: list[Sequence] = []
+        chunked: list[Sequence] = []
         pool = self.pool
         size = pool.page_size
         for s in self.running.values():
@@ -191,8 +201,17 @@ class Scheduler:
                     s.pages.append(pool.grow(s.owner))
                 s.in_flight = True
                 decode.append(s)
+            else:  # a prompt prefilled in chunks, part way
+                chunked.append(s)
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
+        for s in chunked:  # (in admission order) the next chunk of each, while the budget lasts
+            if budget <= 0:
+                break
+            s.prefill_end = min(len(s.prompt_ids), s.num_cached + budget)
+            budget -= s.prefill_end - s.num_cached
+            s.in_flight = True
+            batch.prefill.append(s)
         while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
             seq = self.waiting.head()
             if self.waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
@@ -204,8 +223,7 @@ class Scheduler:
                     break
                 batch.reserved.append(seq)
                 continue
-            new_tokens = len(seq.prompt_ids) - len(hits) * size
-            if not self._fits(seq, hits, now + later) or (batch.prefill and new_tokens > budget):
+            if budget <= 0 or not self._fits(seq, hits, now + later):
                 break
             self.waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
@@ -213,8 +231,9 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running[seq.owner] = seq
             seq.in_flight = True
+            seq.prefill_end = min(len(seq.prompt_ids), seq.num_cached + budget)
+            budget -= seq.prefill_end - seq.num_cached
             batch.prefill.append(seq)
-            budget -= new_tokens
         return batch
 
     def reserve_waiting(self) -> list[Sequence]:
@@ -274,6 +293,17 @@ class Scheduler:
         seq.status = SeqStatus.FETCHING
         self.fetching[seq.owner] = seq
         return True
+
+    @staticmethod
+    def prefill_tokens(batch: Batch) -> int:
+        """The prompt tokens a step computes."""
+        return sum(s.prefill_end - s.num_cached for s in batch.prefill)
+
+    @staticmethod
+    def samples(seq: Sequence) -> bool:
+        """Whether the step computing `seq` samples a token for it (not a prompt's chunk before
+        its last)."""
+        return seq.prefill_end >= len(seq.prompt_ids) or seq.num_cached >= len(seq.prompt_ids)
 
     def publish(self, seq: Sequence) -> None:
         """Cache `seq`'s computed full pages not cached yet (the keys of pages past its prompt's

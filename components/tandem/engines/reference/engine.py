@@ -44,7 +44,7 @@ from tandem.engines.reference.checkpoint import load_checkpoint, read_config
 from tandem.engines.reference.grammar import GrammarState, Grammars
 from tandem.engines.reference.model import Decode, Llama, Prefill, page_table
 from tandem.engines.reference.sampler import SampleRow, base_seed, sample, token_logprobs
-from tandem.engines.scheduler import Batch, Sequence
+from tandem.engines.scheduler import Batch, Scheduler, Sequence
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
 from tandem.runtime.errors import CheckpointError
@@ -164,7 +164,7 @@ class ReferenceEngine(Stepper):
         tokens = self.model_step(batch) if hook is None else hook(batch, self.model_step)
         # What the host tier weighs a load against: this step's seconds per token it computed
         # (prompt tokens and decode rows alike; a moving average).
-        n = sum(len(s.prompt_ids) - s.num_cached for s in batch.prefill) + len(batch.decode)
+        n = Scheduler.prefill_tokens(batch) + len(batch.decode)
         per = (time.perf_counter() - t0) / max(1, n)
         was = host.compute_s_per_token
         host.compute_s_per_token = per if not was else (1 - EWMA) * was + EWMA * per
@@ -179,7 +179,7 @@ class ReferenceEngine(Stepper):
         ids: list[int] = []
         prefills: list[Prefill] = []
         for seq in batch.prefill:
-            new = seq.prompt_ids[seq.num_cached:]
+            new = seq.prompt_ids[seq.num_cached:seq.prefill_end]
             ids += new
             prefills.append(Prefill(torch.tensor(seq.pages, dtype=torch.int64, device=dev),
                                     seq.num_cached, len(new)))
@@ -193,6 +193,25 @@ class ReferenceEngine(Stepper):
         # One pass for the whole step: every prefill and every decode row share the weights' reads.
         logits = model.step(kv, torch.tensor(ids, dtype=torch.int64, device=dev), prefills, decode)
         seqs = batch.all()
+        rows = [i for i, s in enumerate(seqs) if Scheduler.samples(s)]
+        if len(rows) < len(seqs):  # a prompt's chunk before its last samples nothing
+            if not rows:
+                return [0] * len(seqs)
+            tokens = [0] * len(seqs)
+            step = Batch(decode=[seqs[i] for i in rows])  # (the samplers' view: one row each)
+            for i, t, lp in zip(rows, self._sample(step.decode, logits[rows], step),
+                                step.logprobs or [None] * len(rows)):
+                tokens[i] = t
+                if lp is not None:
+                    if batch.logprobs is None:
+                        batch.logprobs = [None] * len(seqs)
+                    batch.logprobs[i] = lp
+            return tokens
+        return self._sample(seqs, logits, batch)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, batch: Batch) -> list[int]:
+        """One token per row of `logits` (one per sequence of `seqs`, in order): grammars'
+        masks, the samplers, and the logprobs of those that ask (into `batch.logprobs`)."""
         sample_rows = [SampleRow(s.sampling, s.seed, s.position, s.banned_ids(),
                                  s.origin_prompt, s.all_output, s.extras) for s in seqs]
         asked = [i for i, s in enumerate(seqs) if s.extras and s.logprobs is not None]
