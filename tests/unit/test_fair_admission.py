@@ -208,6 +208,48 @@ def test_the_pool_s_last_pages_wait_for_a_tenant_with_nothing_admitted(
     assert len(admit(alone, *[seq(f"a{i}", "a", 24) for i in range(9)])) == 9
 
 
+def test_a_newcomer_tenant_goes_before_another_s_prompt_prefilled_in_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked prefill (a budget of 8 prompt tokens a step): tenant a's 40-token prompt is
+    computed 8 tokens a step, the chunk in progress first; tenant b's 4-token request, arriving
+    mid-way, is admitted first in the next step and a's chunk gets the rest of the budget; a's
+    own next request waits for its chunks. Alone, a tenant's chunks go first as ever."""
+    from tandem.engines import waiting
+    from tandem.engines.scheduler import Scheduler, Sequence
+
+    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
+        lambda: 1000.0)}))  # (every tenant seen within the window: no wall clock)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def seq(rid: str, tenant: str, n_prompt: int) -> Sequence:
+        return Sequence(rid=rid, prompt_ids=list(range(1, n_prompt + 1)), stop_ids=frozenset(),
+                        max_total=n_prompt + 2, sampling=sp, tenant=tenant)
+
+    def step(s: Scheduler, *seqs: Sequence) -> list[tuple[str, int]]:
+        """Queue `seqs`, run one step's schedule and compute it (a chunk advances its prompt)."""
+        for q in seqs:
+            s.add(q)
+        batch = s.schedule()
+        out = [(q.rid, q.prefill_end - q.num_cached) for q in batch.prefill]
+        for q in batch.all():
+            q.in_flight = False
+            q.num_cached = len(q.prompt_ids) + len(q.output_ids) if Scheduler.samples(q) \
+                else q.prefill_end
+        return out
+
+    shared = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=8)
+    b0 = seq("b0", "b", 4)
+    assert step(shared, b0) == [("b0", 4)]
+    shared.finish(b0, "length")  # b was here and left: nothing of b's admitted
+    assert step(shared, seq("a0", "a", 40)) == [("a0", 8)]
+    assert step(shared, seq("a1", "a", 4), seq("b1", "b", 4)) == [("b1", 4), ("a0", 4)]
+    assert step(shared) == [("a0", 8)]  # (a1 waits for a's chunks: the budget is spent)
+
+    alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=8)
+    assert step(alone, seq("a0", "a", 40)) == [("a0", 8)]
+    assert step(alone, seq("a1", "a", 4)) == [("a0", 8)]
+
+
 # --- eviction: a prefix others reuse outlives one tenant's unique prompts (N7) --------------------
 
 def test_unique_prompts_do_not_evict_a_reused_prefix() -> None:

@@ -14,7 +14,9 @@ admitted ones, as far as the step's prefill budget (`max_prefill_tokens`) goes.
 
 Chunked prefill: a prompt longer than what is left of the budget computes that much of itself
 (`prefill_end`) and the rest in later steps, the next chunk first in each, before anything new
-is admitted; it samples its first token with its last chunk. So a step's prefill costs at most
+is admitted but a request of a tenant with nothing admitted while tenants share (it goes first:
+one tenant's long prompts do not hold another's first token back); it samples its first token
+with its last chunk. So a step's prefill costs at most
 the budget, and a short request admitted behind a long prompt does not wait for all of it, nor
 ride one step that computes all of it (vLLM's chunked prefill under max-num-batched-tokens;
 SGLang's --chunked-prefill-size). Its pages are taken whole at admission, as for any prompt.
@@ -205,6 +207,8 @@ class Scheduler:
                 chunked.append(s)
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
+        if chunked and self.waiting:  # a tenant with nothing admitted goes before the chunks
+            budget = self._admit(batch, budget, newcomers=True)
         for s in chunked:  # (in admission order) the next chunk of each, while the budget lasts
             if budget <= 0:
                 break
@@ -212,9 +216,19 @@ class Scheduler:
             budget -= s.prefill_end - s.num_cached
             s.in_flight = True
             batch.prefill.append(s)
-        while self.waiting and len(self.running) + len(self.fetching) < self.max_batch:
-            seq = self.waiting.head()
-            if self.waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int, newcomers: bool = False) -> int:
+        """Admit waiting sequences into `batch`, in the queue's order, while the batch, the
+        pool and the prefill `budget` allow (`newcomers`: only those of a tenant with nothing
+        admitted while tenants share, tandem.engines.waiting); what is left of the budget."""
+        pool, waiting = self.pool, self.waiting
+        while waiting and len(self.running) + len(self.fetching) < self.max_batch:
+            seq = waiting.head()
+            if newcomers and not waiting.newcomer(seq):
+                break
+            if waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
                 break
             hits = self._hits(seq)
             now, later = self._pages(seq, hits)
@@ -225,7 +239,7 @@ class Scheduler:
                 continue
             if budget <= 0 or not self._fits(seq, hits, now + later):
                 break
-            self.waiting.pop(seq)
+            waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
             self._admitted(seq, hits)
             seq.status = SeqStatus.RUNNING
@@ -234,7 +248,7 @@ class Scheduler:
             seq.prefill_end = min(len(seq.prompt_ids), seq.num_cached + budget)
             budget -= seq.prefill_end - seq.num_cached
             batch.prefill.append(seq)
-        return batch
+        return budget
 
     def reserve_waiting(self) -> list[Sequence]:
         """Reserve pages now for the PD decode requests at the head of the queue, in order, as

@@ -79,6 +79,15 @@ class WaitQueue:
         if not self.admitted.get(seq.tenant) or (places_left > HEADROOM and (
                 pages_left is None or pages_left >= num_pages * PAGE_HEADROOM)):
             return False
+        return self._sharing()
+
+    def newcomer(self, seq: Any) -> bool:
+        """Whether `seq` is of a tenant with nothing admitted while tenants share the engine (it
+        goes before other tenants' prompts prefilled in chunks: tandem.engines.scheduler)."""
+        return not self.admitted.get(seq.tenant) and self._sharing()
+
+    def _sharing(self) -> bool:
+        """More than one tenant sent work within TENANT_WINDOW_S."""
         now = time.monotonic()
         return sum(now - at <= TENANT_WINDOW_S for at in self._seen.values()) > 1
 
