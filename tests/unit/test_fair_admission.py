@@ -165,47 +165,65 @@ async def test_one_tenant_alone_keeps_the_whole_batch(mock_dir: str) -> None:
         await engine.shutdown()
 
 
+def _tenants_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiting queue's clock stands still: every tenant counts as seen within its window."""
+    from tandem.engines import waiting
+
+    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
+        lambda: 1000.0)}))
+
+
+def _seq(rid: str, tenant: str, n_prompt: int, max_tokens: int) -> Any:
+    from tandem.engines.scheduler import Sequence
+
+    return Sequence(rid=rid, prompt_ids=list(range(1, n_prompt + 1)), stop_ids=frozenset(),
+                    max_total=n_prompt + max_tokens, tenant=tenant,
+                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _step(s: Any, *seqs: Any) -> list[tuple[str, int]]:
+    """Queue `seqs`, run one step's schedule and compute it (a chunk advances its prompt); the
+    prefill rows it ran, (rid, prompt tokens computed)."""
+    from tandem.engines.scheduler import Scheduler
+
+    for q in seqs:
+        s.add(q)
+    batch = s.schedule()
+    out = [(q.rid, q.prefill_end - q.num_cached) for q in batch.prefill]
+    for q in batch.all():
+        q.in_flight = False
+        q.num_cached = len(q.prompt_ids) + len(q.output_ids) if Scheduler.samples(q) \
+            else q.prefill_end
+    return out
+
+
 def test_the_pool_s_last_pages_wait_for_a_tenant_with_nothing_admitted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One tenant cannot fill the KV pool while another shares the worker: a's ninth request
     would leave 1 of 64 pages, under the 1/16 kept (4), so it waits; b's request, arriving
     while a's eight run, is admitted at the next step instead of waiting for one of a's to end.
     A worker that serves one tenant gives it the whole pool (nine admitted)."""
-    from tandem.engines import waiting
-    from tandem.engines.scheduler import Scheduler, Sequence
+    from tandem.engines.scheduler import Scheduler
 
-    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
-        lambda: 1000.0)}))  # (every tenant seen within the window: no wall clock)
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    _tenants_share(monkeypatch)
 
-    def seq(rid: str, tenant: str, n_prompt: int) -> Sequence:
-        return Sequence(rid=rid, prompt_ids=list(range(1, n_prompt + 1)), stop_ids=frozenset(),
-                        max_total=n_prompt + 4, sampling=sp, tenant=tenant)
-
-    def admit(s: Scheduler, *seqs: Sequence) -> list[str]:
-        """Queue `seqs`, run one step's schedule; the prompts it admitted are computed."""
-        for q in seqs:
-            s.add(q)
-        batch = s.schedule()
-        for q in batch.all():
-            q.in_flight = False
-            q.num_cached = len(q.prompt_ids) + len(q.output_ids)
-        return [q.rid for q in batch.prefill]
+    def admit(s: Scheduler, *seqs: Any) -> list[str]:
+        return [rid for rid, _ in _step(s, *seqs)]
 
     shared = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
-    b0 = seq("b0", "b", 4)
+    b0 = _seq("b0", "b", 4, 4)
     assert admit(shared, b0) == ["b0"]
     shared.finish(b0, "length")  # b was here and left: nothing of b's admitted
-    flood = [seq(f"a{i}", "a", 24) for i in range(9)]  # 7 pages each (prompt 6, 1 promised)
+    flood = [_seq(f"a{i}", "a", 24, 4) for i in range(9)]  # 7 pages each (prompt 6, 1 promised)
     assert admit(shared, *flood) == [f"a{i}" for i in range(8)]  # 56 pages; the 9th would leave 1
-    assert admit(shared, seq("b1", "b", 4)) == ["b1"]  # 2 pages of the 8 left: at once
+    assert admit(shared, _seq("b1", "b", 4, 4)) == ["b1"]  # 2 pages of the 8 left: at once
     assert shared.num_waiting == 1  # (a8)
     for q in flood[:8]:
         shared.finish(q, "length")
     assert admit(shared) == ["a8"]
 
     alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
-    assert len(admit(alone, *[seq(f"a{i}", "a", 24) for i in range(9)])) == 9
+    assert len(admit(alone, *[_seq(f"a{i}", "a", 24, 4) for i in range(9)])) == 9
 
 
 def test_a_newcomer_tenant_goes_before_another_s_prompt_prefilled_in_chunks(
@@ -214,40 +232,20 @@ def test_a_newcomer_tenant_goes_before_another_s_prompt_prefilled_in_chunks(
     computed 8 tokens a step, the chunk in progress first; tenant b's 4-token request, arriving
     mid-way, is admitted first in the next step and a's chunk gets the rest of the budget; a's
     own next request waits for its chunks. Alone, a tenant's chunks go first as ever."""
-    from tandem.engines import waiting
-    from tandem.engines.scheduler import Scheduler, Sequence
+    from tandem.engines.scheduler import Scheduler
 
-    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
-        lambda: 1000.0)}))  # (every tenant seen within the window: no wall clock)
-    sp = SamplingParams(max_tokens=2, ignore_eos=True)
-
-    def seq(rid: str, tenant: str, n_prompt: int) -> Sequence:
-        return Sequence(rid=rid, prompt_ids=list(range(1, n_prompt + 1)), stop_ids=frozenset(),
-                        max_total=n_prompt + 2, sampling=sp, tenant=tenant)
-
-    def step(s: Scheduler, *seqs: Sequence) -> list[tuple[str, int]]:
-        """Queue `seqs`, run one step's schedule and compute it (a chunk advances its prompt)."""
-        for q in seqs:
-            s.add(q)
-        batch = s.schedule()
-        out = [(q.rid, q.prefill_end - q.num_cached) for q in batch.prefill]
-        for q in batch.all():
-            q.in_flight = False
-            q.num_cached = len(q.prompt_ids) + len(q.output_ids) if Scheduler.samples(q) \
-                else q.prefill_end
-        return out
-
+    _tenants_share(monkeypatch)
     shared = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=8)
-    b0 = seq("b0", "b", 4)
-    assert step(shared, b0) == [("b0", 4)]
+    b0 = _seq("b0", "b", 4, 2)
+    assert _step(shared, b0) == [("b0", 4)]
     shared.finish(b0, "length")  # b was here and left: nothing of b's admitted
-    assert step(shared, seq("a0", "a", 40)) == [("a0", 8)]
-    assert step(shared, seq("a1", "a", 4), seq("b1", "b", 4)) == [("b1", 4), ("a0", 4)]
-    assert step(shared) == [("a0", 8)]  # (a1 waits for a's chunks: the budget is spent)
+    assert _step(shared, _seq("a0", "a", 40, 2)) == [("a0", 8)]
+    assert _step(shared, _seq("a1", "a", 4, 2), _seq("b1", "b", 4, 2)) == [("b1", 4), ("a0", 4)]
+    assert _step(shared) == [("a0", 8)]  # (a1 waits for a's chunks: the budget is spent)
 
     alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=8)
-    assert step(alone, seq("a0", "a", 40)) == [("a0", 8)]
-    assert step(alone, seq("a1", "a", 4)) == [("a0", 8)]
+    assert _step(alone, _seq("a0", "a", 40, 2)) == [("a0", 8)]
+    assert _step(alone, _seq("a1", "a", 4, 2)) == [("a0", 8)]
 
 
 # --- eviction: a prefix others reuse outlives one tenant's unique prompts (N7) --------------------

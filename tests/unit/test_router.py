@@ -52,6 +52,16 @@ def finish(c: WorkerLink, rid: str, offset: int = 0) -> None:
     c.on_deltas(Deltas([Delta(rid, offset, [7], "length", Usage(1, offset + 1))]))
 
 
+async def reaches_queue(pool: WorkerPool) -> None:
+    """Until a request entered in a task waits in the pool's admission queue (one loop pass at a
+    time; at most 100), then that exactly one does."""
+    for _ in range(100):
+        if pool.num_queued:
+            break
+        await asyncio.sleep(0)
+    assert pool.num_queued == 1
+
+
 async def enter(pool: WorkerPool, ids: list[int]) -> RequestHandle:
     s = pool.open(ids, SP)
     await asyncio.wait_for(s.__aenter__(), 2)
@@ -199,11 +209,8 @@ async def test_kv_policy_waits_at_the_full_worker_that_holds_the_prefix_when_the
     only.on_load(LoadReport(0, Load(pages_free=0, pages_total=10)))
     holds(alone, "tcp://w0", 3)
     waiting = asyncio.create_task(enter(alone, prompt))
-    for _ in range(100):  # (until the task reaches the queue)
-        if alone.num_queued:
-            break
-        await asyncio.sleep(0)
-    assert alone.num_queued == 1 and not waiting.done()
+    await reaches_queue(alone)
+    assert not waiting.done()
     only.on_load(LoadReport(1, Load(pages_free=1, pages_total=10)))
     s = await asyncio.wait_for(waiting, 1)
     assert worker_of(s) == "tcp://w0"
@@ -271,11 +278,8 @@ async def test_too_few_free_pages_queues_until_a_load_report_shows_room():
     c = pool.links[0]
     c.on_load(LoadReport(0, Load(pages_free=2, pages_total=10)))
     waiting = asyncio.create_task(enter(pool, list(range(4 * PAGE))))  # needs 4 pages
-    for _ in range(100):  # (until the task reaches the queue)
-        if pool.num_queued:
-            break
-        await asyncio.sleep(0)
-    assert pool.num_queued == 1 and not waiting.done()
+    await reaches_queue(pool)
+    assert not waiting.done()
     c.on_load(LoadReport(0, Load(pages_free=6, pages_total=10)))
     await asyncio.wait_for(waiting, 1)
     # a prompt bigger than the whole worker is let through: the worker refuses it itself
@@ -291,11 +295,8 @@ async def test_free_pages_count_the_prefills_this_router_sent_since_the_report()
     a = await enter(pool, list(range(4 * PAGE)))
     assert c.pending_prefill_tokens == 4 * PAGE
     waiting = asyncio.create_task(enter(pool, list(range(100, 100 + 4 * PAGE))))
-    for _ in range(100):  # (until the task reaches the queue)
-        if pool.num_queued:
-            break
-        await asyncio.sleep(0)
-    assert pool.num_queued == 1 and not waiting.done()
+    await reaches_queue(pool)
+    assert not waiting.done()
     c.on_deltas(Deltas([Delta(a.rid, 0, [1])]))  # a's prefill is done: its pages are the worker's
     await asyncio.wait_for(waiting, 1)
 
