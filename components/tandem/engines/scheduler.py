@@ -16,10 +16,10 @@ Chunked prefill: a prompt longer than what is left of the budget computes that m
 (`prefill_end`) and the rest in later steps, the next chunk first in each, before anything new
 is admitted but a request of a tenant with nothing admitted while tenants share (it goes first:
 one tenant's long prompts do not hold another's first token back); it samples its first token
-with its last chunk. So a step's prefill costs at most
-the budget, and a short request admitted behind a long prompt does not wait for all of it, nor
-ride one step that computes all of it (vLLM's chunked prefill under max-num-batched-tokens;
-SGLang's --chunked-prefill-size). Its pages are taken whole at admission, as for any prompt.
+with its last chunk. So no step computes more prompt tokens than the budget, and the decodes
+that share a step with a long prompt are not held for all of it (vLLM's chunked prefill under
+max-num-batched-tokens; SGLang's --chunked-prefill-size). Its pages are taken whole at
+admission, as for any prompt.
 
 Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_cached]` sit in
 `pages`. Prefill computes `tokens[num_cached:prefill_end]`, and samples the first output token when

@@ -8,9 +8,9 @@ passes it on) or `header:NAME` (that header's value)). The salt a request carrie
 (`Generate.cache_salt`) is a digest of both (BLAKE2b, 128 bits, hex, keyed with a key derived
 from the cluster's secret: tandem.runtime.auth.digest_key, unkeyed in a keyless cluster): a
 tenant's value is never sent, published or logged in clear, and the digest its KV events carry
-cannot be tested against a guessed value without the cluster's secret. "" (no salt: the shared partition) when neither applies. A
-request of a partitioned server that lacks the tenant's value (no `user`, no key, no header) is
-in the partition of the empty value: the anonymous tenant's.
+cannot be tested against a guessed value without the cluster's secret. "" (no salt: the shared
+partition) when neither applies. A request of a partitioned server that lacks the tenant's value
+(no `user`, no key, no header) is in the partition of the empty value: the anonymous tenant's.
 
 The salt roots the request's page keys in the engines (tandem.engines.prefix.salt_root) and its
 block keys in the router (tandem.router.blocks.salt_root), and its first page's KV event carries
