@@ -228,8 +228,6 @@ class Scheduler:
             seq = waiting.head()
             if newcomers and not waiting.newcomer(seq):
                 break
-            if waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
-                break
             hits = self._hits(seq)
             now, later = self._pages(seq, hits)
             if seq.pd == "decode":
@@ -258,8 +256,6 @@ class Scheduler:
         while (self.waiting and self.waiting.head().pd == "decode"
                and len(self.running) + len(self.fetching) < self.max_batch):
             seq = self.waiting.head()
-            if self.waiting.held_back(seq, self.max_batch - len(self.running) - len(self.fetching)):
-                break
             hits = self._hits(seq)
             if not self._reserve(seq, hits, *self._pages(seq, hits)):
                 break
@@ -290,8 +286,9 @@ class Scheduler:
             seq.num_cached = seq.cached_tokens = num_hits * pool.page_size
 
     def _fits(self, seq: Sequence, hits: list[int], num_pages: int) -> bool:
-        """The pool can give `seq` (the head) its pages, and its tenant may take them (the pool's
-        last pages are kept for another tenant while tenants share: tandem.engines.waiting)."""
+        """The pool can give `seq` (the head) its pages, and its tenant may take them and a place
+        of the batch (the batch's last place and the pool's last pages are kept for another
+        tenant while tenants share: tandem.engines.waiting)."""
         spare = self.pool.spare(hits, num_pages)
         return spare >= 0 and not self.waiting.held_back(
             seq, self.max_batch - len(self.running) - len(self.fetching), spare,

@@ -48,7 +48,7 @@ from tandem.engines.scheduler import Batch, Scheduler, Sequence
 from tandem.engines.stepper import Stepper
 from tandem.engines.pages import page_bytes
 from tandem.runtime.errors import CheckpointError
-from tandem.runtime.wire import OutputMode
+from tandem.runtime.wire import OutputMode, TokenLogprobs
 
 DEFAULT_KV_BYTES = 1 << 30  # num_pages=0 sizes the cache for max_batch full contexts, within this
 DEFAULT_MAX_PREFILL_TOKENS = 4096  # prompt tokens prefilled in one step (at least one prompt)
@@ -194,24 +194,26 @@ class ReferenceEngine(Stepper):
         logits = model.step(kv, torch.tensor(ids, dtype=torch.int64, device=dev), prefills, decode)
         seqs = batch.all()
         rows = [i for i, s in enumerate(seqs) if Scheduler.samples(s)]
-        if len(rows) < len(seqs):  # a prompt's chunk before its last samples nothing
-            if not rows:
-                return [0] * len(seqs)
-            tokens = [0] * len(seqs)
-            step = Batch(decode=[seqs[i] for i in rows])  # (the samplers' view: one row each)
-            for i, t, lp in zip(rows, self._sample(step.decode, logits[rows], step),
-                                step.logprobs or [None] * len(rows)):
-                tokens[i] = t
-                if lp is not None:
-                    if batch.logprobs is None:
-                        batch.logprobs = [None] * len(seqs)
-                    batch.logprobs[i] = lp
+        if len(rows) == len(seqs):
+            tokens, batch.logprobs = self._sample(seqs, logits)
             return tokens
-        return self._sample(seqs, logits, batch)
+        # A prompt's chunk before its last samples nothing (its token is not one: 0).
+        tokens = [0] * len(seqs)
+        if rows:
+            sampled, lps = self._sample([seqs[i] for i in rows], logits[rows])
+            every: list[TokenLogprobs | None] = [None] * len(seqs)
+            for j, i in enumerate(rows):
+                tokens[i] = sampled[j]
+                if lps is not None:
+                    every[i] = lps[j]
+            if lps is not None:
+                batch.logprobs = every
+        return tokens
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, batch: Batch) -> list[int]:
-        """One token per row of `logits` (one per sequence of `seqs`, in order): grammars'
-        masks, the samplers, and the logprobs of those that ask (into `batch.logprobs`)."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor
+                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row of `logits` (one per sequence of `seqs`, in order), after the
+        grammars' masks; and the logprobs of the rows that ask (None when none does)."""
         sample_rows = [SampleRow(s.sampling, s.seed, s.position, s.banned_ids(),
                                  s.origin_prompt, s.all_output, s.extras) for s in seqs]
         asked = [i for i, s in enumerate(seqs) if s.extras and s.logprobs is not None]
@@ -220,13 +222,14 @@ class ReferenceEngine(Stepper):
         if constrained:
             self.grammars.mask(logits, constrained)
         tokens = sample(logits, sample_rows)
-        if raw is not None:
-            lps = token_logprobs(raw, [seqs[i].sampling.logprobs or 0 for i in asked],
-                                 [tokens[i] for i in asked])
-            batch.logprobs = [None] * len(seqs)
-            for i, lp in zip(asked, lps):
-                batch.logprobs[i] = lp
-        return tokens
+        if raw is None:
+            return tokens, None
+        lps = token_logprobs(raw, [seqs[i].sampling.logprobs or 0 for i in asked],
+                             [tokens[i] for i in asked])
+        out: list[TokenLogprobs | None] = [None] * len(seqs)
+        for i, lp in zip(asked, lps):
+            out[i] = lp
+        return tokens, out
 
 
 class TensorCopies:
