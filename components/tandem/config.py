@@ -250,7 +250,9 @@ class RouterConfig:
                                "kv among workers that publish KV events, least-loaded otherwise",
                                flag="--router-policy", choices=ROUTER_POLICIES)
     max_inflight_per_worker: int = opt(4096, "most requests the router keeps on one worker; more "
-                                       "wait in the router's queue (0 = unlimited)",
+                                       "wait in the router's queue (0 = unlimited); while "
+                                       "tenants share, the last is kept for a tenant with "
+                                       "nothing in flight there",
                                        type=non_negative_int)
     max_pending_prefill_tokens_per_worker: int = opt(0, "most prompt tokens waiting for their "
                                                      "prefill on one worker (0 = unlimited)",

@@ -8,7 +8,9 @@ request, prefill 20 us per token, a KV cache small enough to evict) behind one f
 - **quiet**: one request at a time (a 256-token system prompt shared by all of its requests, then
   a 16-token question of its own; 16 tokens out, streamed), 50 ms apart;
 - **noisy**: open loop at `--load` times the cluster's capacity (measured first: requests of 32
-  tokens out, each with a 512-token prompt of its own, so its prompts fill the KV cache).
+  tokens out, each with a 512-token prompt of its own, so its prompts fill the KV cache), sent
+  from a process of its own, as another client would be: its client's work does not delay the
+  quiet client's clock (it did when both shared one event loop).
 
 Phases, each `--seconds` long: the quiet tenant alone (its unloaded TTFT), then both. Reported:
 the quiet tenant's TTFT p50/p99 alone and under load and their ratio (the target: p99 at most
@@ -132,19 +134,45 @@ def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
 
 
+LIMITS = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+
+
+async def noisy_child(url: str, rate: float, seconds: float) -> None:
+    """The noisy tenant's load, in a process of its own (`--noisy-child`): its client's work
+    (hundreds of requests and SSE events a second) does not delay the quiet client's clock. Says
+    `ready` when it starts sending, and its outcomes as JSON when done."""
+    out = Outcomes()
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
+        print("ready", flush=True)
+        await noisy(client, time.perf_counter() + seconds, rate, out)
+    print(json.dumps({"done": out.done, "refused": out.refused}), flush=True)
+
+
 async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
         cap = await capacity(client, seconds / 2)
         alone = Outcomes()
         t0 = time.perf_counter()
         await quiet(client, t0 + seconds, alone)
         alone_rate = alone.done / (time.perf_counter() - t0)
         loud, calm = Outcomes(), Outcomes()
-        t0 = time.perf_counter()
-        until = t0 + seconds
-        await asyncio.gather(quiet(client, until, calm), noisy(client, until, load * cap, loud))
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, os.path.abspath(__file__), "--noisy-child", url, str(load * cap),
+            str(seconds), stdout=asyncio.subprocess.PIPE)
+        try:
+            assert child.stdout is not None
+            ready = await asyncio.wait_for(child.stdout.readline(), 30)
+            assert ready.strip() == b"ready", ready
+            t0 = time.perf_counter()
+            await quiet(client, t0 + seconds, calm)
+            result, _ = await asyncio.wait_for(child.communicate(), seconds + 120)
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
         took = time.perf_counter() - t0
+        noisy_out = json.loads(result.decode().strip().splitlines()[-1])
+        loud.done, loud.refused = noisy_out["done"], noisy_out["refused"]
     served = {"quiet": calm.done / took, "noisy": loud.done / took}
     fair_quiet = min(alone_rate, cap / 2)
     fair = {"quiet": fair_quiet, "noisy": max(cap - fair_quiet, 1e-9)}
@@ -156,6 +184,7 @@ async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
         "quiet_loaded": {"ttft_p50_ms": q(calm.ttft, 0.5) * 1e3,
                          "ttft_p99_ms": q(calm.ttft, 0.99) * 1e3, "requests": calm.done,
                          "refused": calm.refused,
+                         "ttfts_ms": sorted(round(t * 1e3, 1) for t in calm.ttft),
                          "cache_hit": calm.cached_tokens / max(1, calm.prompt_tokens)},
         "noisy": {"served": loud.done, "refused": loud.refused},
         "p99_ratio": q(calm.ttft, 0.99) / q(alone.ttft, 0.99),
@@ -165,6 +194,10 @@ async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--noisy-child"]:  # (run_once's noisy tenant: URL RATE SECONDS)
+        url, rate, seconds = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+        asyncio.run(noisy_child(url, rate, seconds))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
     ap.add_argument("--runs", type=int, default=3, help="runs (a fresh cluster each); medians")

@@ -104,6 +104,100 @@ async def test_a_tenant_over_its_share_gets_503_and_gives_way() -> None:
     assert p.placed == ["a0", "b1", "a1", "a2"]
 
 
+async def test_a_worker_s_last_in_flight_place_waits_for_a_tenant_with_nothing_in_flight() -> None:
+    """While tenants share the router, a's third request would take the worker's last in-flight
+    place (of 3): it waits. b's request, arriving behind it, goes first (b has nothing in flight,
+    although it was placed after a last) and is sent at once, with no place freed. A place is
+    kept for a third tenant while b's request runs; a gets its second place back when b's ends.
+    A router that serves one tenant gives it every place."""
+    from tandem.runtime.wire import Delta, Deltas, Usage
+    from tests.fakes import memory_pool
+
+    sp = SamplingParams(max_tokens=4)
+    pool, _ = memory_pool(["agg"], max_inflight_per_worker=3, queue_timeout_s=30)
+    (w,) = pool.links
+
+    async def enter(rid_tenant: str) -> Any:
+        h = pool.open([1, 2, 3], sp, tenant=rid_tenant)
+        await h.__aenter__()
+        return h
+
+    def end(h: Any) -> None:
+        w.on_deltas(Deltas([Delta(h.rid, 0, [7], "length", Usage(3, 1))]))
+
+    a1, a2 = await enter("a"), await enter("a")
+    b0 = await enter("b")  # b was here (the router is shared), placed after a
+    end(b0)
+    a3 = asyncio.create_task(enter("a"))
+    await settle()
+    assert not a3.done() and pool.num_queued == 1 and w.num_in_flight == 2
+    b1 = await asyncio.wait_for(enter("b"), 1)  # at once: no place freed in between
+    assert b1.placed and not a3.done() and w.num_in_flight == 3
+    end(a1)
+    await settle()
+    assert not a3.done() and w.num_in_flight == 2  # a's 1 and b's 1: the last is still kept
+    end(b1)
+    a3_h = await asyncio.wait_for(a3, 1)  # b has nothing in flight: a's second place is free
+    a4 = asyncio.create_task(enter("a"))
+    await settle()
+    assert not a4.done() and w.num_in_flight == 2  # a has 2 of 3: the last is kept
+    a4.cancel()
+    for h in (a2, a3_h, b0, b1):
+        h.release()
+    assert w.num_in_flight == 0
+
+    alone, _ = memory_pool(["agg"], max_inflight_per_worker=3, queue_timeout_s=30)
+    held = [alone.open([1, 2, 3], sp, tenant="a") for _ in range(3)]
+    assert all(h.enter_now() for h in held)  # all three places, at once
+    assert alone.links[0].num_in_flight == 3
+
+
+async def test_a_newcomer_s_prompt_does_not_wait_for_other_tenants_pending_prompts() -> None:
+    """The page gate counts the prompts this router sent a worker whose prefill has not come back
+    (router.accounting.has_pages). The engine admits a tenant with nothing there before them, into
+    pages kept for it, so that tenant's request reads the report's free pages alone: b's 2-page
+    prompt is sent at once while a's 4-page prompt is pending against a report of 6 free pages
+    and a's next waits. One newcomer at a time: c, arriving while b's prompt is pending, waits
+    too, and goes first (before a) when b's prefill comes back."""
+    from tandem.runtime.wire import Delta, Deltas, Load, LoadReport, Usage
+    from tests.fakes import memory_pool
+
+    page = 4
+    sp = SamplingParams(max_tokens=4)
+    pool, _ = memory_pool(["agg"], pages=10, page_size=page, queue_timeout_s=30)
+    (w,) = pool.links
+
+    async def enter(tenant: str, pages: int) -> Any:
+        h = pool.open(list(range(1, pages * page + 1)), sp, tenant=tenant)
+        await h.__aenter__()
+        return h
+
+    def first_token(h: Any, finish: str | None = None) -> None:
+        w.on_deltas(Deltas([Delta(h.rid, 0, [7], finish, Usage(1, 1) if finish else None)]))
+
+    b0 = await enter("b", 1)  # b was here (tenants share), and left
+    first_token(b0, "length")
+    a1 = await enter("a", 4)
+    first_token(a1)  # a1 decodes on
+    w.on_load(LoadReport(1, Load(pages_free=6, pages_total=10)))
+    a2 = await enter("a", 4)  # pending: 6 - 4 pages left as far as the router knows
+    a3 = asyncio.create_task(enter("a", 4))
+    await settle()
+    assert not a3.done()
+    b1 = await asyncio.wait_for(enter("b", 2), 1)  # at once
+    c1 = asyncio.create_task(enter("c", 2))
+    await settle()
+    assert not c1.done() and not a3.done()  # b1's prompt is pending: c counts every prompt
+    first_token(b1)
+    c1_h = await asyncio.wait_for(c1, 1)
+    assert not a3.done()  # a2's prompt still pending
+    a3.cancel()
+    for h in (a1, a2, b0, b1, c1_h):
+        h.release()
+    assert w.num_in_flight == 0 and w.pending_prefill_tokens == 0
+    assert w.account.fresh_prefill_tokens == 0
+
+
 # --- the engine's waiting queue -------------------------------------------------------------------
 
 @pytest.fixture
@@ -166,10 +260,10 @@ async def test_one_tenant_alone_keeps_the_whole_batch(mock_dir: str) -> None:
 
 
 def _tenants_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The waiting queue's clock stands still: every tenant counts as seen within its window."""
-    from tandem.engines import waiting
+    """The sharing window's clock stands still: every tenant counts as seen within it."""
+    from tandem.runtime import sharing
 
-    monkeypatch.setattr(waiting, "time", type("Clock", (), {"monotonic": staticmethod(
+    monkeypatch.setattr(sharing, "time", type("Clock", (), {"monotonic": staticmethod(
         lambda: 1000.0)}))
 
 

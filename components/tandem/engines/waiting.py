@@ -6,11 +6,11 @@
    with one that sends few, instead of holding the batch until its queue drains;
 3. then arrival.
 
-While more than one tenant has sent work within `TENANT_WINDOW_S`, the last `HEADROOM` places of
-the batch, and the last `PAGE_HEADROOM` of the KV pool's pages, go only to a tenant with nothing
-admitted (`held_back`): a client that arrives while another fills the batch or the pool starts at
-the next step, instead of waiting for one of the other's requests to end. A worker that serves
-one tenant (one client, or none named) keeps its whole batch and pool for it.
+While tenants share the worker (more than one sent work lately: tandem.runtime.sharing), the last
+`HEADROOM` places of the batch, and the last `PAGE_HEADROOM` of the KV pool's pages, go only to a
+tenant with nothing admitted (`held_back`): a client that arrives while another fills the batch
+or the pool starts at the next step, instead of waiting for one of the other's requests to end. A
+worker that serves one tenant (one client, or none named) keeps its whole batch and pool for it.
 
 Each tenant's sequences wait in a heap of (priority, arrival); choosing the next looks at each
 tenant's first only, so it costs the number of tenants waiting, and with one tenant (every
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Iterator
 from typing import Any
 
+from tandem.runtime.sharing import RecentTenants
+
 HEADROOM = 1  # batch places kept for a tenant with nothing admitted, while tenants share
 PAGE_HEADROOM = 1 / 16  # of the pool's pages, kept for a tenant with nothing admitted, likewise
-TENANT_WINDOW_S = 30.0  # tenants share the engine while two sent work within this long
 
 
 class WaitQueue:
@@ -38,7 +38,7 @@ class WaitQueue:
         self._arrivals = itertools.count()
         self._n = 0
         self.admitted: dict[str, int] = {}  # per tenant: admitted and not finished
-        self._seen: dict[str, float] = {}  # when each tenant last sent work (the recent ones)
+        self.tenants = RecentTenants()  # who sent work lately
 
     def __len__(self) -> int:
         return self._n
@@ -52,12 +52,7 @@ class WaitQueue:
                 yield seq
 
     def append(self, seq: Any) -> None:
-        now = time.monotonic()
-        seen = self._seen
-        if seq.tenant not in seen and len(seen) > 8:  # (forget those not seen for a while)
-            for t in [t for t, at in seen.items() if now - at > TENANT_WINDOW_S]:
-                del seen[t]
-        seen[seq.tenant] = now
+        self.tenants.saw(seq.tenant)
         heapq.heappush(self._heaps.setdefault(seq.tenant, []),
                        (seq.priority, next(self._arrivals), seq))
         self._n += 1
@@ -79,17 +74,12 @@ class WaitQueue:
         if not self.admitted.get(seq.tenant) or (places_left > HEADROOM and (
                 pages_left is None or pages_left >= num_pages * PAGE_HEADROOM)):
             return False
-        return self._sharing()
+        return self.tenants.sharing()
 
     def newcomer(self, seq: Any) -> bool:
         """Whether `seq` is of a tenant with nothing admitted while tenants share the engine (it
         goes before other tenants' prompts prefilled in chunks: tandem.engines.scheduler)."""
-        return not self.admitted.get(seq.tenant) and self._sharing()
-
-    def _sharing(self) -> bool:
-        """More than one tenant sent work within TENANT_WINDOW_S."""
-        now = time.monotonic()
-        return sum(now - at <= TENANT_WINDOW_S for at in self._seen.values()) > 1
+        return not self.admitted.get(seq.tenant) and self.tenants.sharing()
 
     def pop(self, seq: Any) -> None:
         """`seq` (the head) is admitted: out of the queue, counted for its tenant."""

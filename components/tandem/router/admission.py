@@ -4,9 +4,11 @@
 The queue is bounded (`max_size`); each waiter has a deadline. Placing a request is the pool's job
 (`place`: pick the workers and start the request on them, or None when all are full); the queue
 calls it at once when nobody is waiting, and again for the head of the line each time `wake()`
-says capacity may have freed. The head of the line is the waiter with the lowest `priority`
-(vLLM's convention), then of the tenant placed least recently (each freed place goes to the
-tenants in turn, however many requests each sent), then the first to arrive.
+says capacity may have freed, and for a newcomer that goes to the head of the line at once. The
+head of the line is the waiter with the lowest `priority` (vLLM's convention), then of a tenant
+with nothing in flight (`busy`; each worker keeps a place for such a tenant while tenants share:
+tandem.router.accounting), then of the tenant placed least recently (each freed place goes to the tenants in turn, however
+many requests each sent), then the first to arrive.
 
 A tenant may hold its share of the queue, `max_size` divided by the tenants waiting: a request
 that would take more gets Unavailable (503, Retry-After, reason `tenant_over_share`) at once,
@@ -50,10 +52,12 @@ class AdmissionQueue(Generic[R, P]):
     def __init__(self, place: Callable[[R], P | None], release: Callable[[P], None],
                  max_size: int, timeout_s: float, retry_after_s: float,
                  registry: Registry | None = None,
-                 who: Callable[[R], tuple[str, int]] = lambda r: ("", 0)) -> None:
+                 who: Callable[[R], tuple[str, int]] = lambda r: ("", 0),
+                 busy: Callable[[str], bool] = lambda tenant: False) -> None:
         self._place = place
         self._release = release
         self._who = who  # a request's (tenant, priority)
+        self._busy = busy  # whether a tenant has requests in flight
         self.max_size = max_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
@@ -94,6 +98,8 @@ class AdmissionQueue(Generic[R, P]):
         line.append(w)
         line.sort(key=lambda x: x.key)
         self._n += 1
+        if self._n > 1 and self._head() is w:  # first in line before others (try_admit tried
+            self.wake()  # it when it was alone): placed now if it fits, a place kept for it
         timer = loop.call_later(self.timeout_s, self._expire, w)
         try:
             placed = await w.future
@@ -151,7 +157,8 @@ class AdmissionQueue(Generic[R, P]):
             return None
         if len(tenants) == 1:
             return next(iter(tenants.values()))[0]
-        t = min(tenants, key=lambda t: (tenants[t][0].key[0], placed.get(t, 0),
+        busy = self._busy
+        t = min(tenants, key=lambda t: (tenants[t][0].key[0], busy(t), placed.get(t, 0),
                                         tenants[t][0].key[1]))
         return tenants[t][0]
 

@@ -247,7 +247,8 @@ class WorkerLink:
         self.legs[leg.rid] = leg
         role = self.info.role if self.info is not None else "agg"
         h = leg.handle
-        self.account.open(leg, role, len(msg.prompt_ids), h.cached_hint if h is not None else 0)
+        self.account.open(leg, role, len(msg.prompt_ids), h.cached_hint if h is not None else 0,
+                          msg.tenant)
 
     def end(self, leg: Leg, abort: bool) -> None:
         """The leg leaves (its request was left, or failed elsewhere). Safe twice."""

@@ -49,6 +49,7 @@ from tandem.runtime import errors
 from tandem.runtime.channel import ZmqChannel
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.metrics import Registry
+from tandem.runtime.sharing import RecentTenants
 from tandem.runtime.wire import Bootstrap, SamplingParams
 
 log = logging.getLogger("tandem.router")
@@ -75,13 +76,15 @@ class WorkerPool:
         self._dropping = TaskGroup()  # the closing of links that left
         self._started = False
         self.placed: dict[str, int] = {}  # requests placed per worker address (a counter)
+        self._tenants = RecentTenants()  # who sent requests lately (router.accounting's headroom)
+        self._in_flight: dict[str, int] = {}  # request legs in flight, per tenant (every worker)
         self.router = router or RouterConfig()
         self.policy = make_policy(self.router, list(addresses))
         self.registry = registry if registry is not None else Registry()
         self._admission: AdmissionQueue[RequestHandle, RequestHandle] = AdmissionQueue(
             self._place, RequestHandle.release, self.router.max_queue,
             self.router.queue_timeout_s, RETRY_AFTER_S, self.registry,
-            lambda h: (h.tenant, h.priority))
+            lambda h: (h.tenant, h.priority), self._in_flight.__contains__)
         for a in addresses:
             self._new_link(a)
         self.kv_feeds = KvFeeds(self.policy) \
@@ -116,6 +119,7 @@ class WorkerPool:
                           **self._link_options)
         link.on_capacity = self._on_capacity
         link.on_up = self._on_up
+        link.account.everywhere = self._in_flight
         self.links.append(link)
         return link
 
@@ -205,20 +209,24 @@ class WorkerPool:
         serving = self._serving()
         return "agg" in serving or ("prefill" in serving and "decode" in serving)
 
-    def _candidates(self, links: list[WorkerLink], prompt_ids: list[int]
+    def _candidates(self, links: list[WorkerLink], h: RequestHandle, sharing: bool
                     ) -> tuple[list[WorkerLink], list[WorkerLink]]:
-        """Those of `links` under their limits (router.accounting.can_place), split into those
-        with free pages for the whole prompt and those without (`has_pages`; the second list is
-        empty for a policy that does not predict what workers hold, blocks.Policy.predicts).
-        Workers in a failure streak (router.accounting.FailureStreak) are left out of the second
-        list, and of the first when any other there is well."""
-        n, limits, offer_short = len(prompt_ids), self.router, self.policy.predicts
+        """Those of `links` under their limits for `h` (router.accounting.can_place; `sharing`:
+        tenants share the router), split into those with free pages for the whole prompt and
+        those without (`has_pages`; the second list is empty for a policy that does not predict
+        what workers hold, blocks.Policy.predicts). Workers in a failure streak
+        (router.accounting.FailureStreak) are left out of the second list, and of the first when
+        any other there is well."""
+        n, limits, offer_short = len(h.prompt_ids), self.router, self.policy.predicts
+        tenant = h.tenant
         room: list[WorkerLink] = []
         short: list[WorkerLink] = []
         for w in links:
             info = w.info
-            if info is not None and can_place(limits, w.account, info, w.load, n):
-                if has_pages(w.account, info, w.load, n):
+            if info is not None and can_place(limits, w.account, info, w.load, n, tenant,
+                                              sharing):
+                if has_pages(w.account, info, w.load, n, 0,
+                             sharing and tenant not in w.account.tenants):
                     room.append(w)
                 elif offer_short:
                     short.append(w)
@@ -259,10 +267,11 @@ class WorkerPool:
         are full. Raises Unavailable when no worker (or pair) is usable at all."""
         ids = h.prompt_ids
         serving = self._serving()
+        sharing = self._tenants.sharing()
         prefill, decode = serving.get("prefill"), serving.get("decode")
         if prefill and decode:
-            p_choice = self._choose("prefill", self._candidates(prefill, ids), h)
-            d_choice = self._choose("decode", self._candidates(decode, ids), h) \
+            p_choice = self._choose("prefill", self._candidates(prefill, h, sharing), h)
+            d_choice = self._choose("decode", self._candidates(decode, h, sharing), h) \
                 if p_choice is not None else None
             if p_choice is None or d_choice is None:
                 return None
@@ -285,7 +294,7 @@ class WorkerPool:
         agg_links = serving.get("agg")
         if not agg_links:
             raise errors.Unavailable("no worker is available", retry_after=RETRY_AFTER_S)
-        choice = self._choose("agg", self._candidates(agg_links, ids), h)
+        choice = self._choose("agg", self._candidates(agg_links, h, sharing), h)
         if choice is None:
             return None
         agg, placed, page = choice
@@ -357,6 +366,7 @@ class WorkerPool:
         h = RequestHandle(self.new_rid(), prompt_ids, sampling, self._admission.admit,
                           self.requests, self._admission.try_admit)
         h.session, h.tenant, h.priority, h.salt = session, tenant, priority, salt
+        self._tenants.saw(tenant)
         return h
 
     async def snapshot(self) -> list[dict[str, Any]]:
