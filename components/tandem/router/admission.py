@@ -7,15 +7,16 @@ calls it at once when nobody is waiting, and again for the head of the line each
 says capacity may have freed, and for a newcomer that goes to the head of the line at once. The
 head of the line is the waiter with the lowest `priority` (vLLM's convention), then of a tenant
 with nothing in flight (`busy`; each worker keeps a place for such a tenant while tenants share:
-tandem.router.accounting), then of the tenant placed least recently (each freed place goes to the tenants in turn, however
-many requests each sent), then the first to arrive.
+tandem.router.accounting), then of the tenant placed least recently (each freed place goes to
+the tenants in turn, however many requests each sent), then the first to arrive.
 
 A tenant may hold its share of the queue, `max_size` divided by the tenants waiting: a request
 that would take more gets Unavailable (503, Retry-After, reason `tenant_over_share`) at once,
 and one that finds the queue full while under its share takes the place of the last waiter of
 the tenant most over its share (which gets that 503). A request that finds the queue full
-otherwise, or whose deadline passes, gets Unavailable (HTTP 503 with Retry-After) at once. A waiter that is cancelled (its client
-went away) leaves the queue; if it was placed in the same instant, `release` undoes the placement.
+otherwise, or whose deadline passes, gets Unavailable (HTTP 503 with Retry-After) at once. A
+waiter that is cancelled (its client went away) leaves the queue; if it was placed in the same
+instant, `release` undoes the placement.
 Its metrics (queue length, refusals by reason, wait time) live in the registry it is given.
 """
 
