@@ -104,16 +104,15 @@ def _less(counts: dict[str, int], tenant: str) -> None:
 
 
 def can_place(limits: RouterConfig, account: WorkerAccount, info: WorkerInfo, load: Load,
-              num_tokens: int, tenant: str = "", sharing: bool = False) -> bool:
-    """Under the per-worker limits (requests in flight, pending prefill tokens) for a request of
-    `tenant` (`sharing`: tenants share the router, so the last in-flight places are kept, see
-    above); not draining (a worker whose last report says it is draining takes nothing). Pages
-    are `has_pages`'s."""
+              num_tokens: int, kept_from: bool = False) -> bool:
+    """Under the per-worker limits (requests in flight, pending prefill tokens) for a request
+    the last in-flight places are kept from or not (`kept_from`: tenants share, and its tenant
+    has something in flight here; see above); not draining (a worker whose last report says it
+    is draining takes nothing). Pages are `has_pages`'s."""
     if getattr(load, "draining", False):
         return False
     most = limits.max_inflight_per_worker
-    if most and account.num_in_flight >= most - (
-            INFLIGHT_HEADROOM if sharing and tenant in account.tenants else 0):
+    if most and account.num_in_flight >= most - (INFLIGHT_HEADROOM if kept_from else 0):
         return False
     limit = limits.max_pending_prefill_tokens_per_worker
     pending = account.pending_prefill_tokens

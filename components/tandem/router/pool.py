@@ -223,10 +223,9 @@ class WorkerPool:
         short: list[WorkerLink] = []
         for w in links:
             info = w.info
-            if info is not None and can_place(limits, w.account, info, w.load, n, tenant,
-                                              sharing):
-                if has_pages(w.account, info, w.load, n, 0,
-                             sharing and tenant not in w.account.tenants):
+            here = sharing and tenant in w.account.tenants  # (else, sharing: a newcomer)
+            if info is not None and can_place(limits, w.account, info, w.load, n, here):
+                if has_pages(w.account, info, w.load, n, 0, sharing and not here):
                     room.append(w)
                 elif offer_short:
                     short.append(w)
