@@ -28,8 +28,9 @@ from typing import Any, Literal
 import msgspec
 
 from tandem.converters import (
-    address_list, admin_token_file, key_dir, model_dir, non_negative_float, non_negative_int,
-    port, port_or_zero, positive_float, positive_int, salt_source, tenant_sources,
+    address_list, admin_token_file, api_key_file, key_dir, model_dir, non_negative_float,
+    non_negative_int, port, port_or_zero, positive_float, positive_int, salt_source,
+    tenant_sources,
 )
 from tandem.engines.sglang_cpu import DEVICE_HELP
 from tandem.runtime.logs import LOG_FORMATS, LogFormat
@@ -318,6 +319,13 @@ class FrontendConfig(Common):
                                 "loopback reads /workers (where each worker publishes its KV "
                                 "events) only with `Authorization: Bearer TOKEN` (default: none, "
                                 "loopback clients only)", metavar="FILE", type=admin_token_file)
+    api_key_file: str = opt("", "a file of the API keys clients must present, one per line "
+                            "(vLLM's --api-key, kept out of the command line): every endpoint "
+                            "but /health, /live, /metrics and /workers then answers a request "
+                            "without one of them, as `Authorization: Bearer KEY` or `api-key: "
+                            "KEY`, with 401 invalid_api_key, and each key is a tenant its holder "
+                            "cannot multiply (default: none, the API is open)", metavar="FILE",
+                            type=api_key_file)
     tenant_by: tuple[str, ...] = opt(("key", "user", "address"), "where a request's tenant (the "
                                      "client fairness is kept across) is read, first found "
                                      "wins: key (its API key), user (the body's), header:NAME, "

@@ -99,6 +99,17 @@ def admin_token_file(text: str) -> str:
     return text
 
 
+def api_key_file(text: str) -> str:
+    """A file of the API keys the frontend accepts (checked as the flags are parsed)."""
+    from tandem.frontend.apikeys import read_keys
+
+    try:
+        read_keys(text)
+    except OSError as e:
+        raise ValueError(f"cannot read {text}: {e.strerror}") from None
+    return text
+
+
 def tenant_sources(text: str) -> tuple[str, ...]:
     from tandem.frontend.tenants import parse_sources
 

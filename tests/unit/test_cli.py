@@ -165,9 +165,9 @@ def _non_default(flag: flags.Flag, tmp_path: Path) -> Any:
         return ("user", "header:x-team")
     if flag.dest == "host_kv_pages":  # (it needs the prefix cache, which this run turns off;
         return d  # test_up_forwards_only_what_was_given forwards it)
-    if flag.dest == "admin_token_file":  # (a file that must exist)
-        (tmp_path / "admin-token").write_text("token\n")
-        return str(tmp_path / "admin-token")
+    if flag.dest in ("admin_token_file", "api_key_file"):  # (a file that must exist)
+        (tmp_path / flag.dest).write_text("token\n")
+        return str(tmp_path / flag.dest)
     choices = flag.meta.get("choices")
     if callable(choices):
         choices = choices()

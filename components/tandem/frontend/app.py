@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tandem.config import FrontendConfig
-from tandem.frontend import admin, schemas
+from tandem.frontend import admin, apikeys, schemas
 from tandem.frontend.salt import Salter
 from tandem.frontend.access import Traffic, log_stats
 from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, ResponseWriter, Scope,
@@ -76,6 +76,7 @@ class FrontendApp:
                  max_body_bytes: int = MAX_BODY_BYTES, registry: Registry | None = None):
         self.config = config
         self.admin = admin.Gate(admin.read_token(config.admin_token_file))
+        self.api_keys = apikeys.ApiKeys(apikeys.read_keys(config.api_key_file))
         self.pool = pool
         self.preprocessor = preprocessor
         self.model_name = preprocessor.model_name
@@ -136,8 +137,9 @@ class FrontendApp:
                 self.traffic, self.config.log_stats_interval_s,
                 lambda: (max(0, len(self._work) - self._queued()), self._queued())))
         try:
+            refused = self.api_keys.refusal(path, scope)
             kind = self._post.get(path)
-            if kind is not None and method == "POST":
+            if kind is not None and method == "POST" and refused is None:
                 job = await self._generation(kind, scope, receive, ex, t0)
                 self.traffic.record(method, path, ex.status or 499, job.rid if job else "",
                                     job.prompt_tokens if job else 0,
@@ -146,8 +148,10 @@ class FrontendApp:
                 return
             handler = self._get.get(path)
             small = self._post_small.get(path)
-            endpoint = path if handler or small else "other"
-            if handler is not None and method in ("GET", "HEAD"):
+            endpoint = path if handler or small or kind else "other"
+            if refused is not None:
+                await ex.error(refused)
+            elif handler is not None and method in ("GET", "HEAD"):
                 await self.admin.serve(path, scope, ex, handler)
             elif small is not None and method == "POST":
                 await self._small(small, scope, receive, ex)

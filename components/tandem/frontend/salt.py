@@ -3,8 +3,9 @@ isolation").
 
 Two sources, combined: the client's own `cache_salt` (vLLM's request field: a non-empty string),
 and the tenant the server partitions by (`--cache-salt-by`: `none`, `user` (the body's `user`),
-`api-key` (the bearer token of the Authorization header, as a gateway in front that checks keys
-passes it on) or `header:NAME` (that header's value)). The salt a request carries to its workers
+`api-key` (the key the client presents, `Authorization: Bearer KEY` or `api-key: KEY`, as
+tandem.frontend.apikeys reads it; checked there with `--api-key-file`, or by a gateway in front)
+or `header:NAME` (that header's value)). The salt a request carries to its workers
 (`Generate.cache_salt`) is a digest of both (BLAKE2b, 128 bits, hex, keyed with a key derived
 from the cluster's secret: tandem.runtime.auth.digest_key, unkeyed in a keyless cluster): a
 tenant's value is never sent, published or logged in clear, and the digest its KV events carry
@@ -22,6 +23,7 @@ from __future__ import annotations
 from hashlib import blake2b
 
 from tandem.converters import salt_source
+from tandem.frontend.apikeys import presented
 from tandem.runtime.errors import BadRequest
 
 __all__ = ["MAX_CLIENT_SALT_CHARS", "Salter", "check_client_salt", "salt_source"]
@@ -43,12 +45,10 @@ class Salter:
             return None
         if self.by == "user":
             return user.encode("utf-8", "surrogatepass")
-        want = b"authorization" if self.by == "api-key" else self._header
+        if self.by == "api-key":
+            return presented(headers)
         for name, value in headers:
-            if name == want:
-                if self.by == "api-key":
-                    scheme, _, token = value.partition(b" ")
-                    return token.strip() if scheme.lower() == b"bearer" else b""
+            if name == self._header:
                 return value
         return b""
 

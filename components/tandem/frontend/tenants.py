@@ -3,7 +3,8 @@ admission queue (tandem.router.admission) and in the workers (the engine's waiti
 grammar compiles, tandem.engines.waiting and tandem.engines.grammars).
 
 `--tenant-by` lists where the identity is read, first found wins:
-- `key`: the API key the client presents (`Authorization: Bearer KEY`, or `api-key: KEY`);
+- `key`: the API key the client presents (`Authorization: Bearer KEY`, or `api-key: KEY`); one
+  the client cannot mint when the frontend checks keys (`--api-key-file`, tandem.frontend.apikeys);
 - `user`: the body's `user` field;
 - `header:NAME`: a header of the operator's choice (e.g. one a gateway sets);
 - `address`: the client's IP address.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
+from tandem.frontend.apikeys import presented
 from tandem.frontend.http import Scope
 
 SOURCES = ("key", "user", "address")  # and header:NAME
@@ -61,12 +63,7 @@ def _value(scope: Scope, user: str, source: str) -> str:
         client = scope.get("client")
         return str(client[0]) if client else ""
     if source == "key":
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                return value[7:].strip().decode("latin-1")
-            if name == b"api-key" and value:
-                return value.decode("latin-1")
-        return ""
+        return presented(scope.get("headers", ())).decode("latin-1")
     wanted = source[len("header:"):].encode("latin-1")
     for name, value in scope.get("headers", ()):
         if name == wanted and value:
