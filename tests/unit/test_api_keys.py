@@ -72,16 +72,17 @@ async def test_a_key_from_the_file_is_served_either_way_it_is_presented(
         pre: Preprocessor, key_file: str) -> None:
     pool = FakePool()
     app = _app(pre, pool, key_file)
-    r = await _call(app, "POST", "/v1/chat/completions", {"Authorization": "Bearer sk-alpha"},
-                    CHAT)
-    assert r.status_code == 200, r.text
-    r = await _call(app, "POST", "/v1/chat/completions", {"api-key": "sk-beta"}, CHAT)
-    assert r.status_code == 200, r.text
-    assert len(pool.opened) == 2
+    for headers, user in [({"Authorization": "Bearer sk-alpha"}, "u1"),
+                          ({"Authorization": "Bearer sk-alpha"}, "u2"),
+                          ({"api-key": "sk-beta"}, "u1")]:
+        r = await _call(app, "POST", "/v1/chat/completions", headers, {**CHAT, "user": user})
+        assert r.status_code == 200, r.text
+    assert len(pool.opened) == 3
     assert (await _call(app, "GET", "/v1/models", {"authorization": "bearer sk-beta"})) \
         .status_code == 200
     # Two keys, two tenants: the tenant is the key, whatever `user` a request names.
-    assert len({t for t, _ in pool.tenants}) == 2
+    tenants = [t for t, _ in pool.tenants]
+    assert tenants[0] == tenants[1] != tenants[2]
 
 
 async def test_probes_scrape_and_admin_endpoint_keep_their_own_rules(pre: Preprocessor,

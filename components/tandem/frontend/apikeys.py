@@ -73,10 +73,6 @@ class ApiKeys:
     def __init__(self, digests: frozenset[bytes]) -> None:
         self._digests = digests
 
-    @property
-    def required(self) -> bool:
-        return bool(self._digests)
-
     def refusal(self, path: str, scope: Scope) -> InvalidApiKey | None:
         """Why the request may not use `path` (None: it may)."""
         if not self._digests or path in OPEN_PATHS:
