@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 
 def _int(text: str) -> int:
@@ -88,26 +89,27 @@ def key_dir(text: str) -> str:
     return text
 
 
+def _read_as_parsed(read: Callable[[str], object], text: str) -> str:
+    """`text`, once `read` (a file's reader: ValueError for bad contents) has read that file."""
+    try:
+        read(text)
+    except OSError as e:
+        raise ValueError(f"cannot read {text}: {e.strerror}") from None
+    return text
+
+
 def admin_token_file(text: str) -> str:
     """A file holding the frontend's admin token (checked as the flags are parsed)."""
     from tandem.frontend.admin import read_token
 
-    try:
-        read_token(text)
-    except OSError as e:
-        raise ValueError(f"cannot read {text}: {e.strerror}") from None
-    return text
+    return _read_as_parsed(read_token, text)
 
 
 def api_key_file(text: str) -> str:
     """A file of the API keys the frontend accepts (checked as the flags are parsed)."""
     from tandem.frontend.apikeys import read_keys
 
-    try:
-        read_keys(text)
-    except OSError as e:
-        raise ValueError(f"cannot read {text}: {e.strerror}") from None
-    return text
+    return _read_as_parsed(read_keys, text)
 
 
 def tenant_sources(text: str) -> tuple[str, ...]:
