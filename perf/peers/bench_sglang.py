@@ -37,7 +37,7 @@ import psutil
 
 from perf.common.launch import launch as launch_tandem
 from perf.peers import sglang
-from perf.peers.bench_vllm import METRICS, bodies, measure, report, side_by_side
+from perf.peers.bench_vllm import METRICS, bodies, measure, report, run_meta, side_by_side
 from perf.streaming.load import LoadSpec, run, run_level
 from perf.streaming.sweep import summarize
 
@@ -108,11 +108,8 @@ def interleaved(args: argparse.Namespace) -> list[dict]:
     (the median of the pairs), beside the medians of each system's windows."""
     levels = [int(x) for x in args.concurrency.split(",")]
     log_dir = tempfile.mkdtemp(prefix="bench-sglang-")
-    given = [(k.replace("_", "-"), v) for k, v in vars(args).items()
-             if k not in ("router_python", "runs", "requests_per_level")]
-    meta = {"command": "python -m perf.peers.bench_sglang " + " ".join(
-        f"--{k}" if v is True else f"--{k} '{v}'" for k, v in given if v is not False),
-            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
+    meta = run_meta(args, "python -m perf.peers.bench_sglang",
+                    ("router_python", "runs", "requests_per_level"), log_dir)
     rows: list[dict] = []
     for shape in args.shapes.split(","):
         served: dict[str, tuple[LoadSpec, list[bytes], dict[str, int]]] = {}

@@ -117,6 +117,17 @@ def report(rows: list[dict], levels: list[int], shapes: list[str], peer: str = "
     return "\n".join(out)
 
 
+def run_meta(args: argparse.Namespace, command: str, skip: tuple[str, ...],
+             log_dir: str) -> dict[str, str]:
+    """What a results file says of its run: the command line (every argument but `skip`; a flag
+    that is on as itself, one that is off left out), the model, the logs and the time."""
+    given = [(k.replace("_", "-"), v) for k, v in vars(args).items() if k not in skip]
+    line = " ".join(f"--{k}" if v is True else f"--{k} '{v}'" for k, v in given
+                    if v is not False)
+    return {"command": f"{command} {line}", "model": args.model, "logs": log_dir,
+            "when": time.strftime("%Y-%m-%d %H:%M")}
+
+
 def side_by_side(args: argparse.Namespace, peer: str, peer_label: str,
                  one: Callable[[str, str, list[int], argparse.Namespace, str], list[dict]],
                  command: str, title: str, skip: tuple[str, ...] = ()) -> list[dict]:
@@ -128,9 +139,7 @@ def side_by_side(args: argparse.Namespace, peer: str, peer_label: str,
     log_dir = tempfile.mkdtemp(prefix=f"bench-{peer}-")
     rows: list[dict] = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = {"command": command + " " + " ".join(
-        f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k not in skip),
-            "model": args.model, "logs": log_dir, "when": time.strftime("%Y-%m-%d %H:%M")}
+    meta = run_meta(args, command, skip, log_dir)
     for r in range(args.runs):
         for shape in shapes:
             order = ("tandem", peer) if r % 2 == 0 else (peer, "tandem")

@@ -33,13 +33,7 @@ import psutil
 import zmq
 
 from perf.common.launch import launch
-
-
-def _metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+from perf.prefix.prefix_arms import get_text, metric_sums
 
 
 async def _stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> dict[str, object]:
@@ -126,13 +120,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 results = [s.result() for s in streams]
             counters: dict[str, float | None] = {}
             if health:
-                with urllib.request.urlopen(health + "/metrics", timeout=10) as r:
-                    text = r.read().decode()
-                for name in ("tandem_worker_kv_event_batches_published_total",
-                             "tandem_worker_kv_event_replay_requests_total",
-                             "tandem_worker_kv_event_replays_refused_total",
-                             "tandem_worker_kv_event_batches_replayed_total"):
-                    counters[name] = _metric(text, name)
+                names = ("tandem_worker_kv_event_batches_published_total",
+                         "tandem_worker_kv_event_replay_requests_total",
+                         "tandem_worker_kv_event_replays_refused_total",
+                         "tandem_worker_kv_event_batches_replayed_total")
+                sums = metric_sums(get_text(health + "/metrics", 10), names)
+                counters = {name: sums.get(name) for name in names}
             alive = worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
         finally:
             for s in socks:
