@@ -17,7 +17,8 @@ the quiet tenant's TTFT p50/p99 alone and under load and their ratio (the target
 1.5x), its prefix-cache hit rate (cached prompt tokens over prompt tokens: N7, a system prompt
 evicted by another tenant's unique prompts, shows as a low rate), the noisy tenant's outcomes
 (served, 503 by reason), and Jain's fairness index over the two tenants' throughput, each
-normalised by its max-min fair share of the capacity measured in the same run.
+normalised by its max-min fair share of the capacity measured in the same run, and the CPU each
+process took through the loaded phase (in cores: the two clients, the frontend, the worker).
 
     nice -n 10 .venv/bin/python perf/streaming/bench_tenants.py --seconds 20 --runs 3
     TANDEM_SERVER_PYTHONPATH=BASE/runtime:BASE/components .venv/bin/python perf/streaming/bench_tenants.py
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,15 +142,19 @@ LIMITS = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
 async def noisy_child(url: str, rate: float, seconds: float) -> None:
     """The noisy tenant's load, in a process of its own (`--noisy-child`): its client's work
     (hundreds of requests and SSE events a second) does not delay the quiet client's clock. Says
-    `ready` when it starts sending, and its outcomes as JSON when done."""
+    `ready` when it starts sending, and its outcomes and the CPU seconds it took sending as JSON
+    when done."""
     out = Outcomes()
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
         print("ready", flush=True)
+        cpu0 = time.process_time()
         await noisy(client, time.perf_counter() + seconds, rate, out)
-    print(json.dumps({"done": out.done, "refused": out.refused}), flush=True)
+        cpu = time.process_time() - cpu0
+    print(json.dumps({"done": out.done, "refused": out.refused, "cpu_s": cpu}), flush=True)
 
 
-async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
+async def run_once(url: str, seconds: float, load: float,
+                   servers_cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
         cap = await capacity(client, seconds / 2)
         alone = Outcomes()
@@ -163,8 +169,9 @@ async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
             assert child.stdout is not None
             ready = await asyncio.wait_for(child.stdout.readline(), 30)
             assert ready.strip() == b"ready", ready
-            t0 = time.perf_counter()
+            t0, cpu0, servers0 = time.perf_counter(), time.process_time(), servers_cpu()
             await quiet(client, t0 + seconds, calm)
+            quiet_cpu, servers = time.process_time() - cpu0, servers_cpu()
             result, _ = await asyncio.wait_for(child.communicate(), seconds + 120)
         finally:
             if child.returncode is None:
@@ -173,6 +180,9 @@ async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
         took = time.perf_counter() - t0
         noisy_out = json.loads(result.decode().strip().splitlines()[-1])
         loud.done, loud.refused = noisy_out["done"], noisy_out["refused"]
+    # CPU through the loaded phase, in cores: is the 2-core machine short of it?
+    cores = {"noisy client": noisy_out["cpu_s"] / took, "quiet client": quiet_cpu / took,
+             **{name: (servers[name] - servers0[name]) / took for name in servers}}
     served = {"quiet": calm.done / took, "noisy": loud.done / took}
     fair_quiet = min(alone_rate, cap / 2)
     fair = {"quiet": fair_quiet, "noisy": max(cap - fair_quiet, 1e-9)}
@@ -188,7 +198,7 @@ async def run_once(url: str, seconds: float, load: float) -> dict[str, Any]:
                          "cache_hit": calm.cached_tokens / max(1, calm.prompt_tokens)},
         "noisy": {"served": loud.done, "refused": loud.refused},
         "p99_ratio": q(calm.ttft, 0.99) / q(alone.ttft, 0.99),
-        "served_rps": served, "fair_share_rps": fair,
+        "served_rps": served, "fair_share_rps": fair, "loaded_cpu_cores": cores,
         "jain": jain([served[t] / fair[t] for t in served]),
     }
 
@@ -217,7 +227,7 @@ def main() -> None:
                 if args.max_prefill_tokens else []
             c = launch("agg", model, os.path.join(tmp, f"logs{i}"), [*WORKER, *budget], FRONTEND)
             try:
-                runs.append(asyncio.run(run_once(c.url, args.seconds, args.load)))
+                runs.append(asyncio.run(run_once(c.url, args.seconds, args.load, c.cpu_s)))
             finally:
                 c.stop()
             print(json.dumps(runs[-1]), flush=True)
