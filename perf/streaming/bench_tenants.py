@@ -8,7 +8,8 @@ request, prefill 20 us per token, a KV cache small enough to evict) behind one f
 - **quiet**: one request at a time (a 256-token system prompt shared by all of its requests, then
   a 16-token question of its own; 16 tokens out, streamed), 50 ms apart;
 - **noisy**: open loop at `--load` times the cluster's capacity (measured first: requests of 32
-  tokens out, each with a 512-token prompt of its own, so its prompts fill the KV cache), sent
+  tokens out, each with a 512-token prompt of its own, so its prompts fill the KV cache;
+  `--noisy-prompt-tokens` changes it), sent
   from a process of its own, as another client would be: its client's work does not delay the
   quiet client's clock (it did when both shared one event loop).
 
@@ -19,6 +20,7 @@ evicted by another tenant's unique prompts, shows as a low rate), the noisy tena
 (served, 503 by reason), and Jain's fairness index over the two tenants' throughput, each
 normalised by its max-min fair share of the capacity measured in the same run, and the CPU each
 process took through the loaded phase (in cores: the two clients, the frontend, the worker).
+With `--timeline DIR`, where the quiet tenant's first tokens waited, hop by hop (hops.py).
 
     nice -n 10 .venv/bin/python perf/streaming/bench_tenants.py --seconds 20 --runs 3
     TANDEM_SERVER_PYTHONPATH=BASE/runtime:BASE/components .venv/bin/python perf/streaming/bench_tenants.py
@@ -59,6 +61,7 @@ class Outcomes:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+    times: list[str] | None = None  # (--timeline: "T0 T1 RID" per request, for hops.py)
 
 
 async def one(client: httpx.AsyncClient, key: str, prompt: list[int], max_tokens: int,
@@ -80,8 +83,11 @@ async def one(client: httpx.AsyncClient, key: str, prompt: list[int], max_tokens
                     continue
                 chunk = json.loads(line[6:])
                 if first and chunk.get("choices"):
-                    out.ttft.append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    out.ttft.append(t1 - t0)
                     first = False
+                    if out.times is not None:  # (the frontend's rid: the id after "cmpl-")
+                        out.times.append(f"{t0:.6f} {t1:.6f} {chunk['id'].split('-', 1)[1]}")
                 usage = chunk.get("usage")
                 if usage:
                     out.prompt_tokens += usage["prompt_tokens"]
@@ -100,12 +106,13 @@ async def quiet(client: httpx.AsyncClient, until: float, out: Outcomes) -> None:
         await asyncio.sleep(0.05)
 
 
-async def noisy(client: httpx.AsyncClient, until: float, rate: float, out: Outcomes) -> None:
+async def noisy(client: httpx.AsyncClient, until: float, rate: float, out: Outcomes,
+                prompt_tokens: int) -> None:
     tasks: set[asyncio.Task[None]] = set()
     i, t = 0, time.perf_counter()
     while t < until:
         i += 1
-        prompt = [(i * 613 + j * 7) % 997 for j in range(512)]
+        prompt = [(i * 613 + j * 7) % 997 for j in range(prompt_tokens)]
         task = asyncio.create_task(one(client, "noisy", prompt, 32, out))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -114,14 +121,15 @@ async def noisy(client: httpx.AsyncClient, until: float, rate: float, out: Outco
     await asyncio.gather(*tasks)
 
 
-async def capacity(client: httpx.AsyncClient, seconds: float) -> float:
+async def capacity(client: httpx.AsyncClient, seconds: float, prompt_tokens: int) -> float:
     """Requests per second the cluster completes when kept full (64 at a time)."""
     out = Outcomes()
     until = time.perf_counter() + seconds
 
     async def loop(k: int) -> None:
         while time.perf_counter() < until:
-            await one(client, f"cap{k}", [(k * 31 + j) % 997 for j in range(512)], 32, out)
+            await one(client, f"cap{k}", [(k * 31 + j) % 997 for j in range(prompt_tokens)], 32,
+                      out)
     t0 = time.perf_counter()
     await asyncio.gather(*(loop(k) for k in range(64)))
     return out.done / (time.perf_counter() - t0)
@@ -139,7 +147,7 @@ def jain(xs: list[float]) -> float:
 LIMITS = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
 
 
-async def noisy_child(url: str, rate: float, seconds: float) -> None:
+async def noisy_child(url: str, rate: float, seconds: float, prompt_tokens: int) -> None:
     """The noisy tenant's load, in a process of its own (`--noisy-child`): its client's work
     (hundreds of requests and SSE events a second) does not delay the quiet client's clock. Says
     `ready` when it starts sending, and its outcomes and the CPU seconds it took sending as JSON
@@ -148,23 +156,26 @@ async def noisy_child(url: str, rate: float, seconds: float) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
         print("ready", flush=True)
         cpu0 = time.process_time()
-        await noisy(client, time.perf_counter() + seconds, rate, out)
+        await noisy(client, time.perf_counter() + seconds, rate, out, prompt_tokens)
         cpu = time.process_time() - cpu0
     print(json.dumps({"done": out.done, "refused": out.refused, "cpu_s": cpu}), flush=True)
 
 
 async def run_once(url: str, seconds: float, load: float,
-                   servers_cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
+                   servers_cpu: Callable[[], dict[str, float]], timeline: str = "",
+                   noisy_prompt_tokens: int = 512) -> dict[str, Any]:
+    """`timeline`: the servers' TANDEM_TIMELINE directory (the quiet tenant's hops are read
+    from it: perf/streaming/hops.py)."""
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
-        cap = await capacity(client, seconds / 2)
-        alone = Outcomes()
+        cap = await capacity(client, seconds / 2, noisy_prompt_tokens)
+        alone = Outcomes(times=[] if timeline else None)
         t0 = time.perf_counter()
         await quiet(client, t0 + seconds, alone)
         alone_rate = alone.done / (time.perf_counter() - t0)
-        loud, calm = Outcomes(), Outcomes()
+        loud, calm = Outcomes(), Outcomes(times=[] if timeline else None)
         child = await asyncio.create_subprocess_exec(
             sys.executable, os.path.abspath(__file__), "--noisy-child", url, str(load * cap),
-            str(seconds), stdout=asyncio.subprocess.PIPE)
+            str(seconds), str(noisy_prompt_tokens), stdout=asyncio.subprocess.PIPE)
         try:
             assert child.stdout is not None
             ready = await asyncio.wait_for(child.stdout.readline(), 30)
@@ -186,7 +197,11 @@ async def run_once(url: str, seconds: float, load: float,
     served = {"quiet": calm.done / took, "noisy": loud.done / took}
     fair_quiet = min(alone_rate, cap / 2)
     fair = {"quiet": fair_quiet, "noisy": max(cap - fair_quiet, 1e-9)}
+    extra: dict[str, Any] = {}
+    if timeline:
+        extra["quiet_hops"] = quiet_hops(timeline, {"alone": alone, "loaded": calm})
     return {
+        **extra,
         "capacity_rps": cap, "noisy_offered_rps": load * cap,
         "quiet_alone": {"ttft_p50_ms": q(alone.ttft, 0.5) * 1e3,
                         "ttft_p99_ms": q(alone.ttft, 0.99) * 1e3, "requests": alone.done,
@@ -203,16 +218,44 @@ async def run_once(url: str, seconds: float, load: float,
     }
 
 
+def quiet_hops(directory: str, phases: dict[str, Outcomes]) -> dict[str, Any]:
+    """Each phase's quiet requests' hops (perf/streaming/hops.py): quantiles, and the slowest
+    five; the loaded phase's table printed."""
+    from perf.streaming import hops
+
+    tl = hops.read(directory)
+    out: dict[str, Any] = {}
+    for phase, o in phases.items():
+        path = os.path.join(directory, f"quiet-{phase}.txt")
+        with open(path, "w") as f:
+            f.write("".join(line + "\n" for line in o.times or []))
+        client = hops.read_client(path)
+        table = hops.rows(tl, list(client), client)
+        out[phase] = {"requests": len(table), "hops_ms": hops.summary(table),
+                      "slowest": sorted(table, key=lambda r: r["ttft"])[-5:]}
+        if phase == "loaded":
+            print(hops.render(table, 10), flush=True)
+    return out
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["--noisy-child"]:  # (run_once's noisy tenant: URL RATE SECONDS)
+    if sys.argv[1:2] == ["--noisy-child"]:  # (run_once's noisy tenant: URL RATE SECONDS TOKENS)
         url, rate, seconds = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-        asyncio.run(noisy_child(url, rate, seconds))
+        asyncio.run(noisy_child(url, rate, seconds, int(sys.argv[5])))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
     ap.add_argument("--runs", type=int, default=3, help="runs (a fresh cluster each); medians")
     ap.add_argument("--load", type=float, default=3.0, help="noisy load, times the capacity")
     ap.add_argument("--out", default="", help="write the runs and medians here (JSON)")
+    ap.add_argument("--timeline", default="", metavar="DIR",
+                    help="record the servers' request timelines (TANDEM_TIMELINE) in DIR/runN "
+                    "and report where the quiet tenant's first tokens waited, hop by hop "
+                    "(hops.py; the quiet client's own times are kept there as quiet-PHASE.txt)")
+    ap.add_argument("--noisy-prompt-tokens", type=int, default=512,
+                    help="each noisy request's prompt (and the capacity run's): 512 fills the KV "
+                    "cache with prompts of its own; a short one (16) leaves decode steps alone, "
+                    "the floor a step-synchronous engine sets on the quiet tenant's TTFT")
     ap.add_argument("--max-prefill-tokens", type=int, default=0,
                     help="the worker's prefill budget per step (0: not passed, the mock's own)")
     args = ap.parse_args()
@@ -225,9 +268,14 @@ def main() -> None:
         for i in range(args.runs):
             budget = ["--max-prefill-tokens", str(args.max_prefill_tokens)] \
                 if args.max_prefill_tokens else []
-            c = launch("agg", model, os.path.join(tmp, f"logs{i}"), [*WORKER, *budget], FRONTEND)
+            timeline = os.path.join(os.path.abspath(args.timeline), f"run{i}") \
+                if args.timeline else ""
+            env = {**os.environ, "TANDEM_TIMELINE": timeline} if timeline else None
+            c = launch("agg", model, os.path.join(tmp, f"logs{i}"), [*WORKER, *budget], FRONTEND,
+                       env=env)
             try:
-                runs.append(asyncio.run(run_once(c.url, args.seconds, args.load, c.cpu_s)))
+                runs.append(asyncio.run(run_once(c.url, args.seconds, args.load, c.cpu_s,
+                                                 timeline, args.noisy_prompt_tokens)))
             finally:
                 c.stop()
             print(json.dumps(runs[-1]), flush=True)

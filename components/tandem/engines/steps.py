@@ -21,6 +21,7 @@ from tandem.engines.handoff import Handoff
 from tandem.engines.outputs import Step, deliver, postprocess
 from tandem.engines.pages import PagePool
 from tandem.engines.scheduler import Batch, Scheduler, Sequence, SeqStatus
+from tandem.runtime import timeline
 from tandem.runtime.errors import PagePoolError
 from tandem.runtime.kv_events import KvEvent
 from tandem.runtime.lifecycle import crash
@@ -90,12 +91,16 @@ class StepDrivers:
             tokens: list[int] = []
             error: Exception | None = None
             if seqs:
+                if timeline.ON:
+                    self._mark(batch)
                 try:
                     tokens = await self.run(batch)
                 except Exception as e:  # a failing step fails its requests, not the engine
                     error = e
             with self._lock:
                 step = self._postprocess(seqs, tokens, batch.logprobs, error)
+            if seqs and timeline.ON:
+                timeline.mark("end")
             self._handed_over(step)
 
     def _thread_main(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -117,16 +122,26 @@ class StepDrivers:
             tokens: list[int] = []
             error: Exception | None = None
             if seqs:
+                if timeline.ON:
+                    self._mark(batch)
                 try:
                     tokens = self.compute(batch)
                 except Exception as e:
                     error = e
             with self._lock:
                 step = self._postprocess(seqs, tokens, batch.logprobs, error)
+            if seqs and timeline.ON:
+                timeline.mark("end")
             try:
                 loop.call_soon_threadsafe(self._handed_over, step)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 return
+
+    @staticmethod
+    def _mark(batch: Batch) -> None:
+        """A step begins (tandem.runtime.timeline)."""
+        timeline.mark("step", Scheduler.prefill_tokens(batch), len(batch.decode),
+                      *(s.rid for s in batch.prefill))
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int],
                      lps: list[TokenLogprobs | None] | None, error: Exception | None) -> Step:

@@ -36,6 +36,7 @@ from tandem.frontend.http import (JSON, ClientGone, MethodNotAllowed, Receive, R
                                   watch_disconnect)
 from tandem.frontend.limits import BodyBudget
 from tandem.frontend.tenants import tenant_of
+from tandem.runtime import timeline
 from tandem.runtime.auth import digest_key
 from tandem.frontend.uvicorn_protocol import EXTENSIONS
 from tandem.frontend.metrics import FrontendMetrics
@@ -193,6 +194,9 @@ class FrontendApp:
         # Placed here when a worker can take it now: its Generate leaves with this loop pass's
         # others, one pass sooner than if the response task placed it when it first runs (that
         # task enters what is not placed: a request that must wait in line waits there).
+        if timeline.ON:
+            for h in handles:
+                timeline.mark("arrive", h.rid, tenant or "-", f"{t0:.6f}")
         for h in handles:
             h.enter_now()
         work = lifecycle.running_loop().create_task(self._respond(job, handles, receive, ex))

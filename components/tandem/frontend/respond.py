@@ -52,7 +52,7 @@ from tandem.frontend.choice import (ChoiceSpec, ChoiceState, GenerationJob, Rich
 from tandem.frontend.http import JSON, ClientGone, ResponseWriter
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.response_state import FIRST, STREAMING, ResponseState
-from tandem.runtime import errors
+from tandem.runtime import errors, timeline
 from tandem.runtime.collector import DeltaCollector
 from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.passes import PassBatcher
@@ -106,7 +106,7 @@ class _Response:
     both."""
 
     __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "rs",
-                 "waiter", "takes", "running", "observe", "nowait", "pushes")
+                 "waiter", "takes", "running", "observe", "nowait", "pushes", "chunked")
 
     def __init__(self, job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                  m: FrontendMetrics, rid: str, created: int, pushes: Pushes) -> None:
@@ -114,6 +114,7 @@ class _Response:
         self.states = [state_of(job, c, i, rid, created) for i, c in enumerate(job.choices)]
         self.last = [0.0] * len(self.states)  # when each choice last got a delta
         self.first_at = self.placed_at = 0.0
+        self.chunked = False  # (with a timeline: its first bytes were made)
         self.rs = ResponseState(job.stream, w.body_nowait is not None, w.can_start_now)
         self.waiter: asyncio.Future[None] | None = None
         self.takes = [h.collector.take for h in handles]
@@ -154,10 +155,16 @@ class _Response:
                 self.observe((now - last) / k, k)
         elif not self.first_at:
             self.first_at = now
+            if timeline.ON:
+                timeline.mark("first", self.handles[i].rid)
             self.m.ttft.observe(now - self.job.t0)
             self.m.prefill_time.observe(now - self.placed_at)
         self.last[i] = now
-        return self.states[i].feed(d)
+        data = self.states[i].feed(d)
+        if timeline.ON and data and not self.chunked:
+            self.chunked = True
+            timeline.mark("chunk", self.handles[i].rid)
+        return data
 
     def push(self, i: int) -> bool:
         """Handle choice `i`'s delta here, without the task (which waits with nothing queued);

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from tandem.router.accounting import Share
-from tandem.runtime import errors
+from tandem.runtime import errors, timeline
 from tandem.runtime.collector import DeltaCollector
 from tandem.runtime.lifecycle import running_loop
 from tandem.runtime.metrics import Registry
@@ -243,6 +243,8 @@ class RequestHandle:
             msg = Generate(rid, self.prompt_ids, self.sampling, bootstrap, 0, self.tenant,
                            self.priority, self.salt)
         first = Leg(self, reader, True, rid, done)
+        if timeline.ON:
+            timeline.mark("placed", rid)
         reader.start(first, msg)
         if prefill is None:
             self.legs = (first,)

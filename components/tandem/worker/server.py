@@ -38,7 +38,7 @@ import msgspec
 
 from tandem.config import WorkerConfig
 from tandem.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Handle
-from tandem.runtime import transport, wire
+from tandem.runtime import timeline, transport, wire
 from tandem.runtime.channel import ChannelFull, RouterChannel, ZmqRouterChannel, serve
 from tandem.runtime.lifecycle import TaskGroup
 from tandem.runtime.wire import (
@@ -184,6 +184,8 @@ class WorkerServer:
                 continue
             if delta is not None:
                 deltas.append(delta)
+                if timeline.ON and not delta.offset:
+                    timeline.mark("out", out.rid)
             if out.finish_reason is not None:
                 del requests[out.rid]
         if deltas:
@@ -257,6 +259,8 @@ class WorkerServer:
             self.frontends.emit(ident, Delta(rid, 0, [], "error", error=why, error_kind=kind,
                                              error_param=param))
 
+        if timeline.ON:
+            timeline.mark("recv", msg.rid)
         if self._draining:
             return refuse(ErrorKind.DRAINING, "worker is draining")
         why = check_generate(msg, self.limits)
