@@ -16,6 +16,7 @@ from tandem.config import FrontendConfig
 from tandem.frontend.app import FrontendApp
 from tandem.frontend.choice import ChoiceState, RichChoiceState
 from tandem.frontend.preprocess import Preprocessor
+from tandem.frontend.respond import _Response
 from tandem.router.request import Leg, RequestHandle
 from tandem.runtime import wire
 from tandem.runtime.collector import DeltaCollector
@@ -83,4 +84,38 @@ async def test_a_finished_request_leaves_no_reference_cycle(pre: Preprocessor, n
         # Every request object went with its last reference: none waits for the collector.
         assert _live(*kinds) == before
     finally:
+        gc.enable()
+
+
+async def test_a_refused_request_leaves_no_reference_cycle(pre: Preprocessor) -> None:
+    """A request refused while it waits for a place (a 503: the queue is full) is freed when its
+    last reference goes, as a served one is. Kept as the answer with its traceback, the error held
+    the response's frame and so the whole request, down to its connection, for the collector: at
+    45 refusals a second the frontend then stopped for 40-70 ms every ~17 s to collect them
+    (perf/results/tenants.md)."""
+    pool, workers = memory_pool(["agg"], pages=1 << 12, page_size=16,
+                                max_inflight_per_worker=1, max_queue=1)
+    app = FrontendApp(FrontendConfig(model="/models/tiny", served_model_name="tiny"), pool, pre)
+    body = json.dumps({"prompt": "the cat", "max_tokens": TOKENS, "stream": True}).encode()
+    gc.collect()
+    kinds = (_Response, RequestHandle, DeltaCollector, ChoiceState)
+    before = {k: _live(k) for k in kinds}
+    gc.disable()
+    waiting = [asyncio.ensure_future(_request(app, body, True)) for _ in range(2)]
+    try:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in waiting)  # one placed, one in the queue
+        for _ in range(3):
+            out: list[bytes] = []
+            starts: list[int] = []
+            await asyncio.wait_for(asgi_post(app, "/v1/completions", body, out, None, starts), 5)
+            assert starts == [503], (starts, out)
+        await asyncio.sleep(0)
+        # Alive: the two requests still in flight, and nothing of the three refused.
+        assert {k: _live(k) - before[k] for k in kinds} == {k: 2 for k in kinds}
+    finally:
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
         gc.enable()

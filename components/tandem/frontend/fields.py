@@ -18,6 +18,7 @@ the SDK's `refusal`, `annotations`, `audio` and `function_call` keys in it.
 from __future__ import annotations
 
 import difflib
+import functools
 import msgspec
 
 from tandem.runtime import errors
@@ -76,7 +77,9 @@ MAX_NAMED = 32  # fields a 400 names (a body of a million made-up keys gets a sh
 MAX_NAME_CHARS = 64
 
 
+@functools.cache
 def known_fields(cls: type) -> tuple[str, ...]:
+    """(Kept per class: msgspec's reading of a class leaves a reference cycle each time.)"""
     return tuple(f.encode_name for f in msgspec.structs.fields(cls))
 
 

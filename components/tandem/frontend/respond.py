@@ -260,7 +260,10 @@ async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWrit
         try:
             await r.run(entered)
         except errors.TandemError as e:
-            failure = e
+            # (its traceback holds this frame, which holds it: a cycle that would keep the whole
+            # request, down to its connection, for the cyclic collector; an answer needs no
+            # traceback)
+            failure = e.with_traceback(None)
         except (ClientGone, asyncio.CancelledError):
             raise
         except Exception as e:
