@@ -57,6 +57,7 @@ class LoadSpec:
     prompt: str = "Tell me about the sea."
     stream_interval: int = 1
     timeout_s: float = 300.0
+    headers: bytes = b""  # more request header lines, each ending in CRLF (an API key's)
 
     @property
     def path(self) -> str:
@@ -119,7 +120,8 @@ async def run_level(spec: LoadSpec, concurrency: int, *, requests: int = 0, dura
         try:
             while take():
                 body = each[(issued - 1) % len(each)]
-                out.results.append(await conn.post_stream(spec.path, body, spec.timeout_s))
+                out.results.append(await conn.post_stream(spec.path, body, spec.timeout_s,
+                                                          spec.headers))
         finally:
             await conn.close()
 

@@ -6,6 +6,9 @@ concurrency level, every stream verified; JSON + CSV + PNG under --out.
 
 With --launch the sweep starts its own mock-engine cluster (no delays) and also reports CPU-µs per
 streamed token of frontend + workers (psutil CPU time deltas over each level).
+
+A frontend started with --api-key-file: put the file's text (or one key) in OPENAI_API_KEY; the
+sweep presents its first key as `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def summarize(level, spec: LoadSpec, expected: str | None) -> dict:
 async def reference_text(spec: LoadSpec) -> str:
     conn = Connection(spec.host, spec.port)
     try:
-        res = await conn.post_stream(spec.path, spec.body(), 60.0)
+        res = await conn.post_stream(spec.path, spec.body(), 60.0, spec.headers)
     finally:
         await conn.close()
     why = check(res, spec, None)
@@ -183,6 +186,19 @@ def plot(meta: dict, rows: list[dict]):
     return fig
 
 
+API_KEY_ENV = "OPENAI_API_KEY"  # (the OpenAI clients' variable)
+
+
+def api_key_header(keys: str) -> bytes:
+    """The header line presenting the first key of `keys` (a key file's text, as the frontend's
+    --api-key-file reads it); b"" for none."""
+    if not keys.strip():
+        return b""
+    from tandem.frontend.apikeys import keys_in
+
+    return f"Authorization: Bearer {keys_in(keys, API_KEY_ENV)[0]}\r\n".encode("ascii")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m perf.streaming.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         url = args.url
     host, port = url.removeprefix("http://").rstrip("/").split(":")
     spec = LoadSpec(host, int(port), api=args.api, model=served_name(args.model),
-                    max_tokens=args.max_tokens, stream_interval=args.stream_interval)
+                    max_tokens=args.max_tokens, stream_interval=args.stream_interval,
+                    headers=api_key_header(os.environ.get(API_KEY_ENV, "")))
     meta = {"argv": sys.argv, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "launch": args.launch,
             "api": args.api, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
             "python": platform.python_version(),

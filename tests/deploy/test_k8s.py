@@ -226,6 +226,32 @@ def test_every_process_has_the_cluster_keys(directory: Path) -> None:
         assert m.get("readOnly") is True
 
 
+API_KEYS = "tandem-api-keys"
+
+
+def frontend_api_keys(directory: Path) -> tuple[str, str]:
+    """The Secret and the entry in it that the frontends read with --api-key-file."""
+    (w,) = [w for w in workloads(directory) if component(w) == "frontend"]
+    c = tandem_container(w)
+    path = flag(expanded_args(c), "--api-key-file")
+    assert path is not None, "the frontend serves an open API: no --api-key-file"
+    (m,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert m.get("readOnly") is True
+    secret = {v["name"]: v for v in pod_spec(w)["volumes"]}[m["name"]]["secret"]
+    assert secret["defaultMode"] == 0o400
+    return secret["secretName"], path[len(m["mountPath"].rstrip("/")) + 1:]
+
+
+@pytest.mark.parametrize("directory", DEPLOYMENTS, ids=DEPLOYMENT_IDS)
+def test_frontends_serve_only_api_key_holders(directory: Path) -> None:
+    """The API is not open to whoever reaches the Service: the frontends read their keys from a
+    Secret (each key a tenant its holder cannot multiply); the workers never see them."""
+    assert frontend_api_keys(directory) == (API_KEYS, "keys")
+    for w in workloads(directory):
+        if component(w) != "frontend":
+            assert "--api-key-file" not in expanded_args(tandem_container(w))
+
+
 def test_the_production_example_overlay_really_changes_things() -> None:
     by_name = {w["metadata"]["name"]: w for w in workloads(K8S / "overlays" / "2p2d-tp2")}
     for name in ("tandem-prefill", "tandem-decode"):
@@ -339,4 +365,9 @@ def test_sweep_job_targets_the_frontend_service_and_keeps_results() -> None:
     assert len(mounts) == 1, f"--out {parsed.out} is not on a mounted volume"
     assert volumes[mounts[0]["name"]]["persistentVolumeClaim"]["claimName"] in pvcs
     assert "tandem-sweep-abcde" in parsed.out  # one directory per run
+    # It presents one of the keys the frontends take (sweep.API_KEY_ENV, from their Secret).
+    from perf.streaming.sweep import API_KEY_ENV
+    (env,) = [e for e in c["env"] if e["name"] == API_KEY_ENV]
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == frontend_api_keys(K8S / "base")
     assert job["metadata"]["namespace"] == "tandem"

@@ -146,3 +146,22 @@ def test_gate_tenant_and_cache_partition_read_the_same_key() -> None:
         assert Salter("api-key")(headers, "", None) == \
             Salter("api-key")([(b"authorization", b"Bearer sk-alpha")], "", None)
     assert presented([(b"authorization", b"Basic abc")]) == b""
+
+
+def test_a_client_holding_the_key_file_presents_its_first_key(tmp_path: Path) -> None:
+    """perf.streaming.sweep (the Kubernetes sweep Job's client) reads OPENAI_API_KEY as the
+    frontend reads its file, and the gate takes the key it presents."""
+    from perf.streaming.sweep import api_key_header
+    from tandem.frontend.apikeys import ApiKeys
+
+    text = "# the operator's keys\n\n  sk-first  \nsk-second\n"
+    line = api_key_header(text)
+    assert line == b"Authorization: Bearer sk-first\r\n"
+    name, value = line.rstrip(b"\r\n").split(b": ", 1)
+    gate = ApiKeys(read_keys(str(_write(tmp_path / "keys", text))))
+    scope: Any = {"headers": [(name.lower(), value)]}
+    assert gate.refusal("/v1/completions", scope) is None
+    assert gate.refusal("/v1/completions", {"headers": [(b"authorization", b"Bearer sk-x")]})
+    assert api_key_header("") == b"" and api_key_header(" \n") == b""
+    with pytest.raises(ValueError, match="OPENAI_API_KEY, line 1"):
+        api_key_header("sk one\n")

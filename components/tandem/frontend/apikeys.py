@@ -6,9 +6,9 @@ file's keys, presented as `Authorization: Bearer KEY` or `api-key: KEY`. Any oth
 OpenAI's answer to a bad key: 401, `invalid_api_key`. Without a file the API is open (vLLM's
 default; a gateway in front checks keys).
 
-The file holds one key per line; blank lines and lines starting with `#` are skipped. Keys are
-kept and compared as BLAKE2b digests, so the time a lookup takes says nothing about a key's
-characters. Only the operator's keys pass, so `--tenant-by key` (the first source of its default)
+The file holds one key per line; blank lines and lines starting with `#` are skipped (`keys_in`,
+the one reading of the format, a client's too). Keys are kept and compared as BLAKE2b digests,
+so the time a lookup takes says nothing about a key's characters. Only the operator's keys pass, so `--tenant-by key` (the first source of its default)
 then reads an identity a client cannot mint: each key is one tenant, however many requests or
 `user` values its holder sends.
 """
@@ -36,25 +36,32 @@ def _digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=32).digest()
 
 
-def read_keys(path: str) -> frozenset[bytes]:
-    """The digests of the keys in `path` (empty for no path). ValueError for a file that holds
-    no key, or a key that is too long or not printable ASCII; OSError if it cannot be read."""
-    if not path:
-        return frozenset()
-    keys = set()
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace")
-                             .splitlines(), 1):
+def keys_in(text: str, source: str) -> list[str]:
+    """The keys of a key file's `text`, in order (a client holding the file sends the first).
+    ValueError naming `source` for a text that holds no key, or a key that is too long or not
+    printable ASCII without spaces."""
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
         key = line.strip()
         if not key or key.startswith("#"):
             continue
         if len(key) > MAX_KEY_CHARS or not key.isascii() or not key.isprintable() \
                 or any(c.isspace() for c in key):
-            raise ValueError(f"{path}, line {n}: an API key is printable ASCII without spaces, "
+            raise ValueError(f"{source}, line {n}: an API key is printable ASCII without spaces, "
                              f"at most {MAX_KEY_CHARS} characters")
-        keys.add(_digest(key.encode("ascii")))
+        keys.append(key)
     if not keys:
-        raise ValueError(f"{path} holds no API key (one per line)")
-    return frozenset(keys)
+        raise ValueError(f"{source} holds no API key (one per line)")
+    return keys
+
+
+def read_keys(path: str) -> frozenset[bytes]:
+    """The digests of the keys in `path` (empty for no path). ValueError as `keys_in`; OSError if
+    it cannot be read."""
+    if not path:
+        return frozenset()
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return frozenset(_digest(key.encode("ascii")) for key in keys_in(text, path))
 
 
 def presented(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
