@@ -4,7 +4,7 @@ a `send` that only counts, so the figure is the app's own work per chunk (respon
 detokenizer, SSE encoding, metrics) without an HTTP server or a socket.
 
 Run: .venv/bin/python perf/micro/bench_app_inprocess.py [--requests 2000 --tokens 200 --concurrency 64]
-Point PYTHONPATH at another checkout's runtime/, components/ and perf/ to measure it the same way.
+Point PYTHONPATH at another checkout's runtime/ and components/ to measure it the same way.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "streaming"))  # (bench_http_app)
 
 
 class _Calls:

@@ -13,7 +13,7 @@ for t in "$@"; do
   t=$(cd "$t" && pwd)
   declare -A n=()
   for tokens in 20 120; do
-    n[$tokens]=$(cd "$t/perf/micro" && PYTHONPATH="$t/runtime:$t/components:$t/perf:$t/perf/micro" \
+    n[$tokens]=$(cd "$t/perf/micro" && PYTHONPATH="$t/runtime:$t/components" \
       valgrind --tool=callgrind --callgrind-out-file=/dev/null "$py" bench_app_inprocess.py \
       --requests 200 --tokens "$tokens" $nowait 2>&1 | awk '/Collected/ {print $4}')
   done

@@ -86,7 +86,7 @@ def _frontend_app() -> Any:
             return []
 
         def open(self, prompt_ids: list[int], sampling: Any, session: str = "",
-                 tenant: str = "", priority: int = 0) -> Handle:
+                 tenant: str = "", priority: int = 0, salt: str = "") -> Handle:
             self.n += 1
             return Handle(str(self.n), sampling.max_tokens)
 

@@ -106,7 +106,7 @@ class _Response:
     both."""
 
     __slots__ = ("job", "handles", "w", "m", "states", "last", "first_at", "placed_at", "rs",
-                 "waiter", "takes", "running", "observe", "nowait", "pushes", "chunked")
+                 "waiter", "takes", "running", "observe", "nowait", "pushes")
 
     def __init__(self, job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                  m: FrontendMetrics, rid: str, created: int, pushes: Pushes) -> None:
@@ -114,7 +114,6 @@ class _Response:
         self.states = [state_of(job, c, i, rid, created) for i, c in enumerate(job.choices)]
         self.last = [0.0] * len(self.states)  # when each choice last got a delta
         self.first_at = self.placed_at = 0.0
-        self.chunked = False  # (with a timeline: its first bytes were made)
         self.rs = ResponseState(job.stream, w.body_nowait is not None, w.can_start_now)
         self.waiter: asyncio.Future[None] | None = None
         self.takes = [h.collector.take for h in handles]
@@ -155,16 +154,10 @@ class _Response:
                 self.observe((now - last) / k, k)
         elif not self.first_at:
             self.first_at = now
-            if timeline.ON:
-                timeline.mark("first", self.handles[i].rid)
             self.m.ttft.observe(now - self.job.t0)
             self.m.prefill_time.observe(now - self.placed_at)
         self.last[i] = now
-        data = self.states[i].feed(d)
-        if timeline.ON and data and not self.chunked:
-            self.chunked = True
-            timeline.mark("chunk", self.handles[i].rid)
-        return data
+        return self.states[i].feed(d)
 
     def push(self, i: int) -> bool:
         """Handle choice `i`'s delta here, without the task (which waits with nothing queued);
@@ -245,12 +238,34 @@ class _Response:
                 await w.body(data)
 
 
+class _Timed(_Response):
+    """A response of a process with a request timeline (tandem.runtime.timeline): `one` also
+    marks the first delta and the first bytes. (A class of its own, so that without a timeline
+    the route of a token tests nothing more.)"""
+
+    __slots__ = ("chunked",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.chunked = False
+
+    def one(self, i: int, d: Delta) -> bytes:
+        first = not self.first_at
+        data = super().one(i, d)
+        if first:
+            timeline.mark("first", self.handles[i].rid)
+        if data and not self.chunked:
+            self.chunked = True
+            timeline.mark("chunk", self.handles[i].rid)
+        return data
+
+
 async def respond(job: GenerationJob, handles: Sequence[Handle], w: ResponseWriter,
                   m: FrontendMetrics, pushes: Pushes) -> None:
     chat = job.kind == "chat"
     rid = job.rid = ("chatcmpl-" if chat else "cmpl-") + handles[0].rid
     created = int(time.time())
-    r = _Response(job, handles, w, m, rid, created, pushes)
+    r = (_Timed if timeline.ON else _Response)(job, handles, w, m, rid, created, pushes)
     states = r.states
     m.prompt_tokens.inc(job.prompt_tokens)
     entered: list[Handle] = []

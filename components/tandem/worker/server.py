@@ -158,6 +158,8 @@ class WorkerServer:
     # --- the engine's output sink: the worker's one loop over outputs -----------------------------
     def on_step(self, outputs: list[EngineOutput]) -> None:
         requests, emit = self._requests, self.frontends.emit_all
+        if timeline.ON:
+            self._mark_first(outputs)
         ident = b""
         deltas: list[Delta] = []  # for `ident`, in order (one frontend, usually)
         for out in outputs:
@@ -184,14 +186,19 @@ class WorkerServer:
                 continue
             if delta is not None:
                 deltas.append(delta)
-                if timeline.ON and not delta.offset:
-                    timeline.mark("out", out.rid)
             if out.finish_reason is not None:
                 del requests[out.rid]
         if deltas:
             emit(ident, deltas)
         if self._draining:
             self._progress.set()
+
+    def _mark_first(self, outputs: list[EngineOutput]) -> None:
+        """The requests whose first tokens these outputs carry (tandem.runtime.timeline)."""
+        for out in outputs:
+            r = self._requests.get(out.rid)
+            if r is not None and not r.sent and out.completion_tokens:
+                timeline.mark("out", out.rid)
 
     def _fail(self, rid: str, r: _Request, err: EngineError) -> None:
         if err.kind is ErrorKind.ENGINE:

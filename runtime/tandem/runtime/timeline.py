@@ -20,8 +20,10 @@ which a worker's Generate carries):
 - any process: `gc GENERATION MS` (a garbage collection of that generation ended, having stopped
   the process for MS milliseconds).
 
-Off (the default) each hook costs one test of a module constant. On, each event is one line
-written through a line-buffered file: a diagnostic, not for a production cluster's hot path.
+Off (the default) the hooks test this module's flag once per request and once per engine step,
+never per token (the frontend's responses with a timeline are a class of their own:
+tandem.frontend.respond._Timed; perf/results/frontend_route.md has the count). On, each event is
+one line written through a line-buffered file: a diagnostic, not for a production cluster.
 """
 
 from __future__ import annotations
