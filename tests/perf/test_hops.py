@@ -5,6 +5,7 @@ request with no step of its own, one cut short)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -112,3 +113,20 @@ def test_collections_within_a_request(tmp_path: Any) -> None:
     row = hops.hops(tl, "a")
     assert row is not None and row["gc"] == pytest.approx(37.0)  # 2 + 30 + 5
     assert len(tl.steps) == 3  # (a gc line between a step and its end changes nothing)
+
+
+def test_a_field_cannot_add_a_field_or_a_line(tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """A request id is a peer's: whitespace in it is taken out, so it stays one field."""
+    from tandem.runtime import timeline
+
+    monkeypatch.setenv(timeline.ENV, str(tmp_path))
+    monkeypatch.setattr(timeline, "_file", None)
+    try:
+        timeline.mark("recv", "a b\nc 9.9 end")
+        timeline.mark("placed", "x")
+    finally:
+        if timeline._file is not None:
+            timeline._file.close()
+    (recv, placed) = (tmp_path / f"{os.getpid()}.tl").read_text().splitlines()
+    assert recv.split()[1:] == ["recv", "abc9.9end"] and placed.split()[1:] == ["placed", "x"]

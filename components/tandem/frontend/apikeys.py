@@ -8,9 +8,9 @@ default; a gateway in front checks keys).
 
 The file holds one key per line; blank lines and lines starting with `#` are skipped (`keys_in`,
 the one reading of the format, a client's too). Keys are kept and compared as BLAKE2b digests,
-so the time a lookup takes says nothing about a key's characters. Only the operator's keys pass, so `--tenant-by key` (the first source of its default)
-then reads an identity a client cannot mint: each key is one tenant, however many requests or
-`user` values its holder sends.
+so the time a lookup takes says nothing about a key's characters. Only the operator's keys pass,
+so `--tenant-by key` (the first source of its default) then reads an identity a client cannot
+mint: each key is one tenant, however many requests or `user` values its holder sends.
 """
 
 from __future__ import annotations

@@ -266,14 +266,14 @@ class WorkerServer:
             self.frontends.emit(ident, Delta(rid, 0, [], "error", error=why, error_kind=kind,
                                              error_param=param))
 
-        if timeline.ON:
-            timeline.mark("recv", msg.rid)
         if self._draining:
             return refuse(ErrorKind.DRAINING, "worker is draining")
         why = check_generate(msg, self.limits)
         if why is not None:
             transport.refused("worker", "bad request", log, why)
             return refuse(ErrorKind.BAD_REQUEST, why)
+        if timeline.ON:  # (its id checked: of a bounded length)
+            timeline.mark("recv", msg.rid)
         if msg.rid in self._requests:
             return refuse(ErrorKind.DUPLICATE, "duplicate request id")
         b = msg.bootstrap

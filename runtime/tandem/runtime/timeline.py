@@ -43,9 +43,10 @@ _lock = threading.Lock()  # (the reference engine's steps mark from their thread
 
 
 def mark(event: str, *fields: object) -> None:
-    """Append `event` with its fields, now; call only under `if timeline.ON:`."""
+    """Append `event` with its fields, now; call only under `if timeline.ON:`. A field's
+    whitespace is taken out (a request id is a peer's: it cannot add a field or a line)."""
     global _file
-    line = f"{time.monotonic():.6f} {event} {' '.join(map(str, fields))}\n"
+    line = f"{time.monotonic():.6f} {event} {' '.join(''.join(str(f).split()) for f in fields)}\n"
     with _lock:
         if _file is None:
             directory = os.environ[ENV]
