@@ -46,6 +46,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from perf.common.launch import launch  # noqa: E402
+from perf.streaming import hops  # noqa: E402
 
 WORKER = ["--max-batch", "16", "--num-pages", "400", "--page-size", "16",
           "--mock-decode-step-us", "10000", "--mock-decode-us-per-seq", "100",
@@ -135,11 +136,6 @@ async def capacity(client: httpx.AsyncClient, seconds: float, prompt_tokens: int
     return out.done / (time.perf_counter() - t0)
 
 
-def q(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p * len(s)))] if s else float("nan")
-
-
 def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
 
@@ -203,16 +199,17 @@ async def run_once(url: str, seconds: float, load: float,
     return {
         **extra,
         "capacity_rps": cap, "noisy_offered_rps": load * cap,
-        "quiet_alone": {"ttft_p50_ms": q(alone.ttft, 0.5) * 1e3,
-                        "ttft_p99_ms": q(alone.ttft, 0.99) * 1e3, "requests": alone.done,
+        "quiet_alone": {"ttft_p50_ms": hops.quantile(alone.ttft, 0.5) * 1e3,
+                        "ttft_p99_ms": hops.quantile(alone.ttft, 0.99) * 1e3,
+                        "requests": alone.done,
                         "cache_hit": alone.cached_tokens / max(1, alone.prompt_tokens)},
-        "quiet_loaded": {"ttft_p50_ms": q(calm.ttft, 0.5) * 1e3,
-                         "ttft_p99_ms": q(calm.ttft, 0.99) * 1e3, "requests": calm.done,
+        "quiet_loaded": {"ttft_p50_ms": hops.quantile(calm.ttft, 0.5) * 1e3,
+                         "ttft_p99_ms": hops.quantile(calm.ttft, 0.99) * 1e3, "requests": calm.done,
                          "refused": calm.refused,
                          "ttfts_ms": sorted(round(t * 1e3, 1) for t in calm.ttft),
                          "cache_hit": calm.cached_tokens / max(1, calm.prompt_tokens)},
         "noisy": {"served": loud.done, "refused": loud.refused},
-        "p99_ratio": q(calm.ttft, 0.99) / q(alone.ttft, 0.99),
+        "p99_ratio": hops.quantile(calm.ttft, 0.99) / hops.quantile(alone.ttft, 0.99),
         "served_rps": served, "fair_share_rps": fair, "loaded_cpu_cores": cores,
         "jain": jain([served[t] / fair[t] for t in served]),
     }
@@ -220,16 +217,15 @@ async def run_once(url: str, seconds: float, load: float,
 
 def quiet_hops(directory: str, phases: dict[str, Outcomes]) -> dict[str, Any]:
     """Each phase's quiet requests' hops (perf/streaming/hops.py): quantiles, and the slowest
-    five; the loaded phase's table printed."""
-    from perf.streaming import hops
-
+    five; the loaded phase's table printed (each phase's client times are kept in the directory,
+    for hops.py)."""
     tl = hops.read(directory)
     out: dict[str, Any] = {}
     for phase, o in phases.items():
-        path = os.path.join(directory, f"quiet-{phase}.txt")
-        with open(path, "w") as f:
-            f.write("".join(line + "\n" for line in o.times or []))
-        client = hops.read_client(path)
+        lines = o.times or []
+        with open(os.path.join(directory, f"quiet-{phase}.txt"), "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+        client = hops.client_times(lines)
         table = hops.rows(tl, list(client), client)
         out[phase] = {"requests": len(table), "hops_ms": hops.summary(table),
                       "slowest": sorted(table, key=lambda r: r["ttft"])[-5:]}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,13 +127,18 @@ def hops(tl: Timeline, rid: str, client: tuple[float, float] | None = None
     return row
 
 
-def read_client(path: str) -> dict[str, tuple[float, float]]:
+def client_times(lines: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """A client's lines of `T0 T1 RID`, by rid."""
     out: dict[str, tuple[float, float]] = {}
-    with open(path) as f:
-        for line in f:
-            t0, t1, rid = line.split()
-            out[rid] = (float(t0), float(t1))
+    for line in lines:
+        t0, t1, rid = line.split()
+        out[rid] = (float(t0), float(t1))
     return out
+
+
+def read_client(path: str) -> dict[str, tuple[float, float]]:
+    with open(path) as f:
+        return client_times(f)
 
 
 def rows(tl: Timeline, rids: list[str] | None = None,
