@@ -14,8 +14,9 @@ import asyncio
 import tempfile
 import time
 
-from perf.prefix.bench_prefix_cache import DEFAULT_TIMING, drive, pct, worker_counts, workload
 from perf.common.launch import launch
+from perf.common.stats import quantile
+from perf.prefix.bench_prefix_cache import DEFAULT_TIMING, drive, worker_counts, workload
 
 
 def main() -> None:
@@ -42,8 +43,8 @@ def main() -> None:
             finally:
                 c.stop()
         ok = [r for r in res if r.ok]
-        print(f"{args.shape} {arm}: TTFT p50 {1000 * pct([r.ttft_s for r in ok], 0.5):.1f} "
-              f"p90 {1000 * pct([r.ttft_s for r in ok], 0.9):.1f} ms, hit rate "
+        print(f"{args.shape} {arm}: TTFT p50 {1000 * quantile([r.ttft_s for r in ok], 0.5):.1f} "
+              f"p90 {1000 * quantile([r.ttft_s for r in ok], 0.9):.1f} ms, hit rate "
               f"{h / max(q, 1):.2f}, {sum(r.completion_tokens for r in ok) / wall:.0f} tok/s, "
               f"{len(res) - len(ok)} failed", flush=True)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from perf.common.client import Connection, StreamResult
 from perf.common.launch import launch
+from perf.common.stats import quantile
 
 DEFAULT_TIMING = ["--mock-prefill-us-per-token", "50", "--mock-decode-step-us", "10000",
                   "--mock-decode-us-per-seq", "100"]
@@ -74,11 +75,6 @@ def worker_counts(url: str) -> tuple[int, int]:
             sum(int(r.get("prefix_cache_hits", 0)) for r in rows))
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def one_run(args: argparse.Namespace, cache: bool, prompts: list[list[int]],
             log_dir: str) -> dict[str, Any]:
     worker_args = [*DEFAULT_TIMING, "--max-batch", str(args.max_batch),
@@ -101,8 +97,8 @@ def one_run(args: argparse.Namespace, cache: bool, prompts: list[list[int]],
         "worker_queries": queries, "worker_hits": hits,
         "hit_rate": hits / queries if queries else 0.0,
         "client_cached_tokens": sum(r.cached_tokens for r in ok),
-        "ttft_p50_ms": 1000 * pct([r.ttft_s for r in ok], 0.5),
-        "ttft_p99_ms": 1000 * pct([r.ttft_s for r in ok], 0.99),
+        "ttft_p50_ms": 1000 * quantile([r.ttft_s for r in ok], 0.5),
+        "ttft_p99_ms": 1000 * quantile([r.ttft_s for r in ok], 0.99),
         "tok_s": sum(r.completion_tokens for r in ok) / wall, "wall_s": wall,
     }
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from dataclasses import dataclass, field
 
 from perf.common.client import Connection
+from perf.common.stats import quantile
 from perf.prefix.prefix_workloads import Session
 
 
@@ -102,14 +102,6 @@ async def drive_level(host: str, port: int, model: str, sessions: list[Session],
     return recs, unsent, wall
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of xs; NaN for none."""
-    if not xs:
-        return math.nan
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def summarize(recs: list[Rec], unsent: int, wall_s: float) -> dict:
     """One level's figures (latencies in ms; hit rates as fractions; rates per request sent)."""
     ok = [r for r in recs if r.ok]
@@ -124,8 +116,8 @@ def summarize(recs: list[Rec], unsent: int, wall_s: float) -> dict:
         "rate_503": rejected / sent if sent else 0.0,
         "failed_other": sent - len(ok) - rejected, "unsent_turns": unsent,
         "errors": sorted({r.error[:120] for r in recs if r.error})[:3],
-        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
-        "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(gaps, 0.5),
+        "ttft_p50_ms": quantile(ttft, 0.5), "ttft_p90_ms": quantile(ttft, 0.9),
+        "ttft_p99_ms": quantile(ttft, 0.99), "itl_p50_ms": quantile(gaps, 0.5),
         "output_tok_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "wall_s": wall_s, "prompt_tokens": prompt, "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,

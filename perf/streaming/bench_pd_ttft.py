@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from perf.common.stats import quantile  # noqa: E402
 from tests.cluster import Cluster, free_port  # noqa: E402
 from tests.sse import Stream  # noqa: E402
 
@@ -81,16 +82,12 @@ def main() -> None:
         agg.stop()
         pd.stop()
 
-    def q(xs: list[float], p: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(p * len(xs)))]
-
     res = {
         "command": "python perf/streaming/bench_pd_ttft.py " + " ".join(sys.argv[1:]),
         "machine": f"{os.cpu_count()} CPUs, {platform.python_version()}",
         "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
         "kv_bytes": 0,
-        "ttft_ms": {k: {"p50": 1000 * statistics.median(v), "p90": 1000 * q(v, 0.9),
+        "ttft_ms": {k: {"p50": 1000 * statistics.median(v), "p90": 1000 * quantile(v, 0.9),
                         "min": 1000 * min(v)} for k, v in times.items()},
     }
     res["ratio_p50_pd_over_agg"] = res["ttft_ms"]["pd"]["p50"] / res["ttft_ms"]["agg"]["p50"]

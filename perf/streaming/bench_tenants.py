@@ -24,8 +24,12 @@ With `--timeline DIR`, where the quiet tenant's first tokens waited, hop by hop 
 
     nice -n 10 .venv/bin/python perf/streaming/bench_tenants.py --seconds 20 --runs 3
     TANDEM_SERVER_PYTHONPATH=BASE/runtime:BASE/components .venv/bin/python perf/streaming/bench_tenants.py
+    .venv/bin/python perf/streaming/bench_tenants.py --pool A.json B.json ...
 
 (the second: the servers of another checkout, BASE, under this load generator: the baseline.)
+Besides each run's figures and their medians, `pooled` is the p99 ratio over every run's requests
+together (as `--pool` computes it over the runs of several `--out` files, from arms run in turn):
+one run's p99 is its 2nd-3rd slowest quiet request, and moves with one slow request.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from perf.common.launch import launch  # noqa: E402
+from perf.common.stats import quantile  # noqa: E402
 from perf.streaming import hops  # noqa: E402
 
 WORKER = ["--max-batch", "16", "--num-pages", "400", "--page-size", "16",
@@ -199,20 +204,32 @@ async def run_once(url: str, seconds: float, load: float,
     return {
         **extra,
         "capacity_rps": cap, "noisy_offered_rps": load * cap,
-        "quiet_alone": {"ttft_p50_ms": hops.quantile(alone.ttft, 0.5) * 1e3,
-                        "ttft_p99_ms": hops.quantile(alone.ttft, 0.99) * 1e3,
+        "quiet_alone": {"ttft_p50_ms": quantile(alone.ttft, 0.5) * 1e3,
+                        "ttft_p99_ms": quantile(alone.ttft, 0.99) * 1e3,
                         "requests": alone.done,
+                        "ttfts_ms": sorted(round(t * 1e3, 1) for t in alone.ttft),
                         "cache_hit": alone.cached_tokens / max(1, alone.prompt_tokens)},
-        "quiet_loaded": {"ttft_p50_ms": hops.quantile(calm.ttft, 0.5) * 1e3,
-                         "ttft_p99_ms": hops.quantile(calm.ttft, 0.99) * 1e3, "requests": calm.done,
+        "quiet_loaded": {"ttft_p50_ms": quantile(calm.ttft, 0.5) * 1e3,
+                         "ttft_p99_ms": quantile(calm.ttft, 0.99) * 1e3, "requests": calm.done,
                          "refused": calm.refused,
                          "ttfts_ms": sorted(round(t * 1e3, 1) for t in calm.ttft),
                          "cache_hit": calm.cached_tokens / max(1, calm.prompt_tokens)},
         "noisy": {"served": loud.done, "refused": loud.refused},
-        "p99_ratio": hops.quantile(calm.ttft, 0.99) / hops.quantile(alone.ttft, 0.99),
+        "p99_ratio": quantile(calm.ttft, 0.99) / quantile(alone.ttft, 0.99),
         "served_rps": served, "fair_share_rps": fair, "loaded_cpu_cores": cores,
         "jain": jain([served[t] / fair[t] for t in served]),
     }
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The quiet tenant's p99 TTFT alone and loaded over every run's requests together, and their
+    ratio: a p99 of a few hundred requests is their 2nd-3rd largest, so one run's p99 moves with
+    a single slow request; over several runs' it is the 1% tail of all of them."""
+    alone = [t for r in runs for t in r["quiet_alone"]["ttfts_ms"]]
+    loaded = [t for r in runs for t in r["quiet_loaded"]["ttfts_ms"]]
+    a, b = quantile(alone, 0.99), quantile(loaded, 0.99)
+    return {"alone_p99_ms": a, "loaded_p99_ms": b, "p99_ratio": b / a,
+            "requests_alone": len(alone), "requests_loaded": len(loaded)}
 
 
 def quiet_hops(directory: str, phases: dict[str, Outcomes]) -> dict[str, Any]:
@@ -235,6 +252,13 @@ def quiet_hops(directory: str, phases: dict[str, Outcomes]) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--pool"]:  # (the runs of earlier --out files, taken together)
+        runs = []
+        for path in sys.argv[2:]:
+            with open(path) as f:
+                runs += json.load(f)["runs"]
+        print(json.dumps(pooled(runs), indent=1))
+        return
     if sys.argv[1:2] == ["--noisy-child"]:  # (run_once's noisy tenant: URL RATE SECONDS TOKENS)
         url, rate, seconds = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
         asyncio.run(noisy_child(url, rate, seconds, int(sys.argv[5])))
@@ -286,10 +310,11 @@ def main() -> None:
                 v = v[part]
             vals.append(v)
         med[".".join(k)] = statistics.median(vals)
-    print(json.dumps({"medians": med, "load_avg": os.getloadavg()}, indent=1))
+    pool = pooled(runs)
+    print(json.dumps({"medians": med, "pooled": pool, "load_avg": os.getloadavg()}, indent=1))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"runs": runs, "medians": med, "args": vars(args),
+            json.dump({"runs": runs, "medians": med, "pooled": pool, "args": vars(args),
                        "server": os.environ.get("TANDEM_SERVER_PYTHONPATH", "this tree")}, f,
                       indent=1)
 

@@ -31,9 +31,13 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from perf.common.stats import quantile  # noqa: E402
 
 HOPS = ("http", "admit", "to_worker", "wait", "waited", "compute", "prefill_tokens", "decodes",
         "out", "first", "held", "to_client", "ttft", "gc")
@@ -150,11 +154,6 @@ def rows(tl: Timeline, rids: list[str] | None = None,
         if row is not None:
             out.append({"rid": rid, **row})
     return out
-
-
-def quantile(values: list[float], p: float) -> float:
-    s = sorted(v for v in values if v == v)
-    return s[min(len(s) - 1, int(p * len(s)))] if s else float("nan")
 
 
 def summary(table: list[dict[str, Any]], ps: tuple[float, ...] = (0.5, 0.9, 0.99, 1.0)

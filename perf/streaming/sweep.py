@@ -27,38 +27,36 @@ import psutil
 
 from perf.common.client import Connection
 from perf.common.launch import SHAPES, launch
+from perf.common.stats import quantile
 from perf.streaming.load import LoadSpec, check, print_progress, run, run_level
 from tandem.config import served_name
-
-
-def pct(sorted_xs: list[float], q: float) -> float:
-    if not sorted_xs:
-        return float("nan")
-    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
 def summarize(level, spec: LoadSpec, expected: str | None) -> dict:
     failures = [(r, why) for r in level.results if (why := check(r, spec, expected))]
     good = [r for r in level.results if r.ok]
     tokens = sum(r.completion_tokens for r in good)
-    ttft = sorted(r.ttft_s for r in good)
-    gaps = sorted(g for r in good for g in r.gaps_s)
+    ttft = [r.ttft_s for r in good]
+    gaps = [g for r in good for g in r.gaps_s]
     # A request's whole time (write to last event) and its time per output token after the first
     # (vLLM's E2EL and TPOT): at a fixed concurrency, Little's law ties the end-to-end time to the
     # throughput, so TTFT and the decode time are one split of it (fewer, later chunks move time
     # from the decode into TTFT, and back).
-    e2e = sorted(r.ttft_s + sum(r.gaps_s) for r in good)
-    tpot = sorted(sum(r.gaps_s) / (r.completion_tokens - 1) for r in good
-                  if r.completion_tokens > 1)
+    e2e = [r.ttft_s + sum(r.gaps_s) for r in good]
+    tpot = [sum(r.gaps_s) / (r.completion_tokens - 1) for r in good
+            if r.completion_tokens > 1]
     return {
         "concurrency": level.concurrency, "requests": len(level.results),
         "failed": len(failures), "failures": sorted({why for _, why in failures})[:5],
         "wall_s": round(level.wall_s, 3), "tokens": tokens,
         "tokens_per_s": round(tokens / level.wall_s, 1) if level.wall_s else 0.0,
-        "ttft_p50_ms": round(pct(ttft, 0.5) * 1e3, 2), "ttft_p99_ms": round(pct(ttft, 0.99) * 1e3, 2),
-        "itl_p50_ms": round(pct(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 3),
-        "tpot_p50_ms": round(pct(tpot, 0.5) * 1e3, 3),
-        "e2e_p50_ms": round(pct(e2e, 0.5) * 1e3, 2), "e2e_p99_ms": round(pct(e2e, 0.99) * 1e3, 2),
+        "ttft_p50_ms": round(quantile(ttft, 0.5) * 1e3, 2),
+        "ttft_p99_ms": round(quantile(ttft, 0.99) * 1e3, 2),
+        "itl_p50_ms": round(quantile(gaps, 0.5) * 1e3, 3),
+        "itl_p99_ms": round(quantile(gaps, 0.99) * 1e3, 3),
+        "tpot_p50_ms": round(quantile(tpot, 0.5) * 1e3, 3),
+        "e2e_p50_ms": round(quantile(e2e, 0.5) * 1e3, 2),
+        "e2e_p99_ms": round(quantile(e2e, 0.99) * 1e3, 2),
         "chunks": sum(r.content_chunks for r in good),
         "chunks_per_token": round(sum(r.content_chunks for r in good) / tokens, 3) if tokens else 0,
     }
