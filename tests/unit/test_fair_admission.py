@@ -314,7 +314,7 @@ def test_the_pool_s_last_pages_wait_for_a_tenant_with_nothing_admitted(
     assert shared.num_waiting == 1  # (a8)
     for q in flood[:8]:
         shared.finish(q, "length")
-    assert admit(shared) == ["a8"]
+    assert admit(shared) == ["a8"]  # (a has nothing admitted now: a newcomer, before b's step)
 
     alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=4096)
     assert len(admit(alone, *[_seq(f"a{i}", "a", 24, 4) for i in range(9)])) == 9
@@ -335,11 +335,49 @@ def test_a_newcomer_tenant_goes_before_another_s_prompt_prefilled_in_chunks(
     shared.finish(b0, "length")  # b was here and left: nothing of b's admitted
     assert _step(shared, _seq("a0", "a", 40, 2)) == [("a0", 8)]
     assert _step(shared, _seq("a1", "a", 4, 2), _seq("b1", "b", 4, 2)) == [("b1", 4), ("a0", 4)]
+    # (b1's second step, but the two steps before were kept for newcomers, a's first and b1's, and
+    # a third in a row is not: see the next test)
     assert _step(shared) == [("a0", 8)]  # (a1 waits for a's chunks: the budget is spent)
 
     alone = Scheduler(PagePool(64, 4), max_batch=16, max_prefill_tokens=8)
     assert _step(alone, _seq("a0", "a", 40, 2)) == [("a0", 8)]
     assert _step(alone, _seq("a1", "a", 4, 2)) == [("a0", 8)]
+
+
+def test_a_newcomer_s_first_steps_compute_no_other_tenant_s_prompt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While tenants share, the step that computes a newcomer's prompt and the step of its next
+    token (its first text may need both: a byte-level token can be part of a character) compute
+    no other tenant's prompt, so they take a decode step's time; the newcomer's own tenant's
+    prompts still go. The others' prompts wait at most two steps in a row: a stream of newcomers
+    takes at most two steps of three from a chunk in progress."""
+    from tandem.engines.scheduler import NEWCOMER_STEPS, Scheduler
+
+    assert NEWCOMER_STEPS == 2
+    _tenants_share(monkeypatch)
+    s = Scheduler(PagePool(128, 4), max_batch=16, max_prefill_tokens=8)
+    a0 = _seq("a0", "a", 80, 2)
+    # a alone (no other tenant seen yet): its chunks, a step each
+    assert [_step(s, a0), _step(s), _step(s)] == [[("a0", 8)]] * 3
+    # b arrives with two requests: both are b's, so both go; a's chunk waits two steps
+    assert _step(s, _seq("b1", "b", 4, 2), _seq("b2", "b", 4, 2)) == [("b1", 4), ("b2", 4)]
+    assert _step(s, _seq("a1", "a", 4, 2)) == []  # b's second step: a's chunk and a1 wait
+    assert _step(s) == [("a0", 8)]
+    # newcomers every step (c, d, e, f): a's chunk still advances every third step at least
+    rows = [_step(s, _seq(f"{t}1", t, 4, 2)) for t in "cdef"]
+    assert rows == [[("c1", 4)], [("d1", 4)], [("e1", 4), ("a0", 4)], [("f1", 4)]]
+
+    alone = Scheduler(PagePool(128, 4), max_batch=16, max_prefill_tokens=8)
+    assert _step(alone, _seq("a0", "a", 80, 2)) == [("a0", 8)]
+    assert _step(alone, _seq("a1", "a", 4, 2)) == [("a0", 8)]  # one tenant: no newcomers
+
+    # A PD prefill worker's newcomer has one step there, its prompt's (the decode side samples on)
+    pd = Scheduler(PagePool(128, 4), max_batch=16, max_prefill_tokens=8)
+    a0, b1 = _seq("a0", "a", 80, 2), _seq("b1", "b", 4, 2)
+    a0.pd = b1.pd = "prefill"
+    assert _step(pd, a0) == [("a0", 8)]
+    assert _step(pd, b1) == [("b1", 4)]
+    assert _step(pd) == [("a0", 8)]
 
 
 # --- eviction: a prefix others reuse outlives one tenant's unique prompts (N7) --------------------

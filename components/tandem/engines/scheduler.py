@@ -16,7 +16,10 @@ Chunked prefill: a prompt longer than what is left of the budget computes that m
 (`prefill_end`) and the rest in later steps, the next chunk first in each, before anything new
 is admitted but a request of a tenant with nothing admitted while tenants share (it goes first:
 one tenant's long prompts do not hold another's first token back); it samples its first token
-with its last chunk. So no step computes more prompt tokens than the budget, and the decodes
+with its last chunk. Such a newcomer's first `NEWCOMER_STEPS` steps (its prompt's and its next
+token's) compute no other tenant's prompt, so its first text waits for no one else's prefill;
+the others' prompts wait at most that many steps in a row (a stream of newcomers takes at most
+two steps of three from them). So no step computes more prompt tokens than the budget, and the decodes
 that share a step with a long prompt are not held for all of it (vLLM's chunked prefill under
 max-num-batched-tokens; SGLang's --chunked-prefill-size). Its pages are taken whole at
 admission, as for any prompt.
@@ -55,6 +58,9 @@ from tandem.engines.waiting import WaitQueue
 from tandem.runtime.wire import Bootstrap, FinishReason, Load, SamplingParams, TokenLogprobs
 
 
+# A newcomer's (tandem.engines.waiting) first steps: its prompt's and its second token's (a first
+# token's text is not always whole: a byte-level token of a multi-byte character needs the next).
+NEWCOMER_STEPS = 2
 NEVER = 1 << 62  # `publish_at` of a sequence whose pages are not cached
 
 
@@ -158,6 +164,8 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self.fetching: dict[str, Sequence] = {}
         self.sending: dict[str, Sequence] = {}
+        self._spare: dict[str, int] = {}  # per newcomer tenant: its steps to come, kept for it
+        self._held = 0  # steps in a row that computed no other tenant's prompt, for newcomers
 
     @property
     def num_waiting(self) -> int:
@@ -207,22 +215,42 @@ class Scheduler:
                 chunked.append(s)
         batch = Batch(decode=decode)
         budget = self.max_prefill_tokens
-        if chunked and self.waiting:  # a tenant with nothing admitted goes before the chunks
+        spare = self._spare
+        if self.waiting:  # a tenant with nothing admitted goes before the chunks
             budget = self._admit(batch, budget, newcomers=True)
+            for s in batch.prefill:  # (a PD prefill sequence has one step: its prompt's)
+                spare[s.tenant] = 1 if s.pd == "prefill" else NEWCOMER_STEPS
+        only: set[str] | None = None  # the tenants whose prompts this step may compute
+        if spare:  # a newcomer's first steps compute no other tenant's prompt, and the others'
+            if self._held < NEWCOMER_STEPS:  # wait no longer than that in a row
+                only = set(spare)
+                self._held += 1
+            else:
+                self._held = 0
+            for t in list(spare):
+                spare[t] -= 1
+                if not spare[t]:
+                    del spare[t]
+        else:
+            self._held = 0
         for s in chunked:  # (in admission order) the next chunk of each, while the budget lasts
             if budget <= 0:
                 break
+            if only is not None and s.tenant not in only:
+                continue
             s.prefill_end = min(len(s.prompt_ids), s.num_cached + budget)
             budget -= s.prefill_end - s.num_cached
             s.in_flight = True
             batch.prefill.append(s)
-        self._admit(batch, budget)
+        self._admit(batch, budget, only=only)
         return batch
 
-    def _admit(self, batch: Batch, budget: int, newcomers: bool = False) -> int:
+    def _admit(self, batch: Batch, budget: int, newcomers: bool = False,
+               only: set[str] | None = None) -> int:
         """Admit waiting sequences into `batch`, in the queue's order, while the batch, the
         pool and the prefill `budget` allow (`newcomers`: only those of a tenant with nothing
-        admitted while tenants share, tandem.engines.waiting); what is left of the budget."""
+        admitted while tenants share, tandem.engines.waiting; `only`: only those of these
+        tenants); what is left of the budget."""
         pool, waiting = self.pool, self.waiting
         while waiting and len(self.running) + len(self.fetching) < self.max_batch:
             seq = waiting.head()
@@ -235,7 +263,8 @@ class Scheduler:
                     break
                 batch.reserved.append(seq)
                 continue
-            if budget <= 0 or not self._fits(seq, hits, now + later):
+            if budget <= 0 or only is not None and seq.tenant not in only \
+                    or not self._fits(seq, hits, now + later):
                 break
             waiting.pop(seq)
             seq.pages = pool.take(seq.owner, hits, now, later)
