@@ -169,10 +169,14 @@ async def run_once(url: str, seconds: float, load: float,
     from it: perf/streaming/hops.py)."""
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=LIMITS) as client:
         cap = await capacity(client, seconds / 2, noisy_prompt_tokens)
+        if not cap:
+            raise SystemExit("bench_tenants: no request completed in the capacity phase")
         alone = Outcomes(times=[] if timeline else None)
         t0 = time.perf_counter()
         await quiet(client, t0 + seconds, alone)
         alone_rate = alone.done / (time.perf_counter() - t0)
+        if not alone.done:
+            raise SystemExit(f"bench_tenants: no quiet request completed alone ({alone.refused})")
         loud, calm = Outcomes(), Outcomes(times=[] if timeline else None)
         child = await asyncio.create_subprocess_exec(
             sys.executable, os.path.abspath(__file__), "--noisy-child", url, str(load * cap),

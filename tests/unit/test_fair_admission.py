@@ -371,6 +371,16 @@ def test_a_newcomer_s_first_steps_compute_no_other_tenant_s_prompt(
     assert _step(alone, _seq("a0", "a", 80, 2)) == [("a0", 8)]
     assert _step(alone, _seq("a1", "a", 4, 2)) == [("a0", 8)]  # one tenant: no newcomers
 
+    # A newcomer that ends in its first step keeps no step for itself: the next computes a's chunk
+    # (a step kept for nobody would be empty, and an engine with an empty step waits for work)
+    ended = Scheduler(PagePool(128, 4), max_batch=16, max_prefill_tokens=8)
+    a0 = _seq("a0", "a", 80, 2)
+    assert _step(ended, a0) == [("a0", 8)]
+    b1 = _seq("b1", "b", 4, 1)
+    assert _step(ended, b1) == [("b1", 4)]
+    ended.finish(b1, "length")
+    assert _step(ended) == [("a0", 8)]
+
     # A PD prefill worker's newcomer has one step there, its prompt's (the decode side samples on)
     pd = Scheduler(PagePool(128, 4), max_batch=16, max_prefill_tokens=8)
     a0, b1 = _seq("a0", "a", 80, 2), _seq("b1", "b", 4, 2)

@@ -16,13 +16,13 @@ Chunked prefill: a prompt longer than what is left of the budget computes that m
 (`prefill_end`) and the rest in later steps, the next chunk first in each, before anything new
 is admitted but a request of a tenant with nothing admitted while tenants share (it goes first:
 one tenant's long prompts do not hold another's first token back); it samples its first token
-with its last chunk. Such a newcomer's first `NEWCOMER_STEPS` steps (its prompt's and its next
-token's) compute no other tenant's prompt, so its first text waits for no one else's prefill;
-the others' prompts wait at most that many steps in a row (a stream of newcomers takes at most
-two steps of three from them). So no step computes more prompt tokens than the budget, and the decodes
+with its last chunk. So no step computes more prompt tokens than the budget, and the decodes
 that share a step with a long prompt are not held for all of it (vLLM's chunked prefill under
 max-num-batched-tokens; SGLang's --chunked-prefill-size). Its pages are taken whole at
-admission, as for any prompt.
+admission, as for any prompt. Such a newcomer's first `NEWCOMER_STEPS` steps (its prompt's and
+its next token's) compute no other tenant's prompt, so its first text waits for no one else's
+prefill; the others' prompts wait at most that many steps in a row (a stream of newcomers takes
+at most two steps of three from them), and never for a newcomer that has ended.
 
 Token bookkeeping: `tokens = prompt_ids + output_ids`; the K/V of `tokens[:num_cached]` sit in
 `pages`. Prefill computes `tokens[num_cached:prefill_end]`, and samples the first output token when
@@ -164,7 +164,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self.fetching: dict[str, Sequence] = {}
         self.sending: dict[str, Sequence] = {}
-        self._spare: dict[str, int] = {}  # per newcomer tenant: its steps to come, kept for it
+        self._spare: dict[str, tuple[str, int]] = {}  # newcomer owner: (tenant, steps kept to come)
         self._held = 0  # steps in a row that computed no other tenant's prompt, for newcomers
 
     @property
@@ -219,18 +219,23 @@ class Scheduler:
         if self.waiting:  # a tenant with nothing admitted goes before the chunks
             budget = self._admit(batch, budget, newcomers=True)
             for s in batch.prefill:  # (a PD prefill sequence has one step: its prompt's)
-                spare[s.tenant] = 1 if s.pd == "prefill" else NEWCOMER_STEPS
+                spare[s.owner] = (s.tenant, 1 if s.pd == "prefill" else NEWCOMER_STEPS)
         only: set[str] | None = None  # the tenants whose prompts this step may compute
         if spare:  # a newcomer's first steps compute no other tenant's prompt, and the others'
-            if self._held < NEWCOMER_STEPS:  # wait no longer than that in a row
-                only = set(spare)
+            running = self.running  # wait no longer than that in a row, nor for a newcomer
+            for owner in [o for o in spare if o not in running]:  # that ended (or went to send)
+                del spare[owner]
+        if spare:  # (so the newcomer is in this step: it is never empty while work waits)
+            if self._held < NEWCOMER_STEPS:
+                only = {t for t, _ in spare.values()}
                 self._held += 1
             else:
                 self._held = 0
-            for t in list(spare):
-                spare[t] -= 1
-                if not spare[t]:
-                    del spare[t]
+            for owner, (t, n) in list(spare.items()):
+                if n > 1:
+                    spare[owner] = (t, n - 1)
+                else:
+                    del spare[owner]
         else:
             self._held = 0
         for s in chunked:  # (in admission order) the next chunk of each, while the budget lasts
