@@ -256,13 +256,6 @@ def quiet_hops(directory: str, phases: dict[str, Outcomes]) -> dict[str, Any]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--pool"]:  # (the runs of earlier --out files, taken together)
-        runs = []
-        for path in sys.argv[2:]:
-            with open(path) as f:
-                runs += json.load(f)["runs"]
-        print(json.dumps(pooled(runs), indent=1))
-        return
     if sys.argv[1:2] == ["--noisy-child"]:  # (run_once's noisy tenant: URL RATE SECONDS TOKENS)
         url, rate, seconds = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
         asyncio.run(noisy_child(url, rate, seconds, int(sys.argv[5])))
@@ -282,7 +275,17 @@ def main() -> None:
                     "the floor a step-synchronous engine sets on the quiet tenant's TTFT")
     ap.add_argument("--max-prefill-tokens", type=int, default=0,
                     help="the worker's prefill budget per step (0: not passed, the mock's own)")
+    ap.add_argument("--pool", nargs="+", metavar="OUT", default=None,
+                    help="run nothing: print the quiet tenant's p99 ratio over the runs of these "
+                    "earlier --out files taken together (arms run in turn)")
     args = ap.parse_args()
+    if args.pool:
+        earlier: list[dict[str, Any]] = []
+        for path in args.pool:
+            with open(path) as f:
+                earlier += json.load(f)["runs"]
+        print(json.dumps(pooled(earlier), indent=1))
+        return
     from tandem.engines.reference.checkpoint import write_tiny_model
 
     runs = []
